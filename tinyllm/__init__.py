@@ -1,0 +1,1 @@
+"""tinyllm: transformer inference from scratch in numpy."""
