@@ -1,0 +1,231 @@
+"""GGUF reader: header, metadata, tensor index, memory-mapped tensor data, and dequantization.
+
+GGUF (llama.cpp's file format) is one file holding everything a model needs:
+
+    magic "GGUF" | version u32 | tensor_count u64 | kv_count u64
+    kv_count x (key: string, value_type: u32, value)          <- metadata (config, tokenizer, chat template)
+    tensor_count x (name: string, n_dims: u32, dims: u64[n_dims], ggml_type: u32, offset: u64)
+    padding to `general.alignment` (default 32)
+    tensor data (each tensor at data_start + offset, aligned)
+
+Strings are (u64 length, UTF-8 bytes). Dims are in ggml order: dims[0] is the fastest-varying axis, so a
+matrix listed as [576, 49152] is 49152 rows of 576 values; numpy's shape is the reverse.
+
+Quantized types store blocks of 32 values (formats below at `dequantize`). This module reads GGUF v2/v3 and
+dequantizes F32, F16, BF16, Q8_0, Q4_0 and Q4_1; other types are listed but raise a clear error when read.
+It deliberately does not write GGUF files.
+"""
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+GGUF_MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+QK = 32  # values per block in Q8_0 / Q4_0 / Q4_1
+
+
+class GGUFError(ValueError):
+    """A GGUF file is malformed, truncated, or uses something this reader does not support."""
+
+
+# --- metadata value types (gguf_type in ggml's gguf.h) ------------------------------------------------------
+_SCALAR_FORMATS = {  # type id -> (struct format, python name)
+    0: ("<B", "uint8"), 1: ("<b", "int8"), 2: ("<H", "uint16"), 3: ("<h", "int16"),
+    4: ("<I", "uint32"), 5: ("<i", "int32"), 6: ("<f", "float32"), 7: ("<?", "bool"),
+    10: ("<Q", "uint64"), 11: ("<q", "int64"), 12: ("<d", "float64"),
+}
+_STRING, _ARRAY = 8, 9
+
+# --- tensor types (ggml_type): name, values per block, bytes per block --------------------------------------
+GGML_TYPES = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 36),
+    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292), 24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4),
+    27: ("I64", 1, 8), 28: ("F64", 1, 8), 30: ("BF16", 1, 2),
+}
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One entry of the tensor index. `shape` is numpy order (slowest axis first)."""
+
+    name: str
+    shape: tuple[int, ...]
+    type_name: str
+    offset: int  # absolute byte offset of the data in the file
+    nbytes: int
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+class _Cursor:
+    """Sequential little-endian reader over a buffer that names the region it is in when it runs out."""
+
+    def __init__(self, buf, path: str):
+        self.buf, self.pos, self.path, self.region = buf, 0, path, "header"
+
+    def take(self, n: int) -> memoryview:
+        end = self.pos + n
+        if n < 0 or end > len(self.buf):
+            raise GGUFError(
+                f"{self.path}: file is truncated in the {self.region} (needs byte {end:,}, file has "
+                f"{len(self.buf):,}); the download is incomplete: fetch the file again"
+            )
+        view = memoryview(self.buf)[self.pos:end]
+        self.pos = end
+        return view
+
+    def scalar(self, fmt: str):
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self) -> str:
+        n = self.scalar("<Q")
+        raw = bytes(self.take(n))
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise GGUFError(f"{self.path}: a string in the {self.region} is not valid UTF-8 (file corrupt)") from None
+
+    def value(self, vtype: int) -> Any:
+        if vtype in _SCALAR_FORMATS:
+            return self.scalar(_SCALAR_FORMATS[vtype][0])
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            etype, count = self.scalar("<I"), self.scalar("<Q")
+            if etype in _SCALAR_FORMATS:  # numeric arrays: one struct call, not `count` of them
+                fmt = _SCALAR_FORMATS[etype][0]
+                size = struct.calcsize(fmt)
+                return list(struct.unpack(f"<{count}{fmt[1]}", self.take(count * size)))
+            if etype == _STRING:
+                return [self.string() for _ in range(count)]
+            if etype == _ARRAY:
+                return [self.value(_ARRAY) for _ in range(count)]
+            raise GGUFError(f"{self.path}: unknown array element type {etype} in the {self.region} (file corrupt?)")
+        raise GGUFError(f"{self.path}: unknown metadata value type {vtype} in the {self.region} (file corrupt?)")
+
+
+class GGUFFile:
+    """A parsed GGUF file: `.metadata` (dict), `.tensors` (name -> TensorInfo), `.tensor(name)` (fp32 array).
+
+    Tensor data stays memory-mapped: nothing is read until a tensor is asked for.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = str(path)
+        try:
+            with open(self.path, "rb") as f:
+                size = f.seek(0, 2)
+                if size == 0:
+                    raise GGUFError(f"{self.path}: file is empty; fetch it again")
+                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except FileNotFoundError:
+            raise GGUFError(f"{self.path}: no such file") from None
+        cur = _Cursor(self._mmap, self.path)
+        magic = bytes(cur.take(4))
+        if magic != GGUF_MAGIC:
+            raise GGUFError(f"{self.path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
+        self.version = cur.scalar("<I")
+        if self.version not in (2, 3):
+            raise GGUFError(f"{self.path}: GGUF version {self.version} is not supported (only 2 and 3)")
+        n_tensors, n_kv = cur.scalar("<Q"), cur.scalar("<Q")
+
+        cur.region = "metadata"
+        self.metadata: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = cur.string()
+            self.metadata[key] = cur.value(cur.scalar("<I"))
+
+        cur.region = "tensor index"
+        raw_index = []
+        for _ in range(n_tensors):
+            name = cur.string()
+            n_dims = cur.scalar("<I")
+            if n_dims > 4:
+                raise GGUFError(f"{self.path}: tensor {name!r} has {n_dims} dims (max 4): file corrupt?")
+            dims = [cur.scalar("<Q") for _ in range(n_dims)]
+            raw_index.append((name, dims, cur.scalar("<I"), cur.scalar("<Q")))
+
+        self.alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        data_start = -(-cur.pos // self.alignment) * self.alignment  # round up to the alignment
+        self.tensors: dict[str, TensorInfo] = {}
+        for name, dims, type_id, rel_offset in raw_index:
+            if type_id not in GGML_TYPES:
+                raise GGUFError(f"{self.path}: tensor {name!r} has unknown ggml type id {type_id}")
+            type_name, block, block_bytes = GGML_TYPES[type_id]
+            n = int(np.prod(dims, dtype=np.int64)) if dims else 1
+            if dims and dims[0] % block:
+                raise GGUFError(f"{self.path}: tensor {name!r} row length {dims[0]} is not a multiple of "
+                                f"the {type_name} block size {block}")
+            info = TensorInfo(name, tuple(int(d) for d in reversed(dims)), type_name,
+                              data_start + rel_offset, n // block * block_bytes)
+            if info.offset + info.nbytes > len(self._mmap):
+                raise GGUFError(
+                    f"{self.path}: file is truncated in the tensor data (tensor {name!r} ends at byte "
+                    f"{info.offset + info.nbytes:,}, file has {len(self._mmap):,}); fetch the file again"
+                )
+            self.tensors[name] = info
+
+    @classmethod
+    def open(cls, path: str | Path) -> "GGUFFile":
+        return cls(path)
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes as a read-only uint8 view into the memory map (no copy)."""
+        info = self._info(name)
+        return np.frombuffer(self._mmap, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+
+    def tensor(self, name: str) -> np.ndarray:
+        """The tensor dequantized to a new float32 array of `info.shape`."""
+        info = self._info(name)
+        return dequantize(self.raw(name), info.type_name, info.shape)
+
+    def _info(self, name: str) -> TensorInfo:
+        if name not in self.tensors:
+            raise GGUFError(f"{self.path}: no tensor named {name!r} in this file")
+        return self.tensors[name]
+
+    def close(self) -> None:
+        self._mmap.close()
+
+
+def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Turn a tensor's raw bytes into float32 values of `shape`.
+
+    Block formats (32 values each; within a block, value j is in byte j's low nibble, value j+16 in its high):
+      Q8_0: f16 d, int8 q[32]            -> x = d * q                          (34 bytes)
+      Q4_0: f16 d, 16 bytes of nibbles    -> x = d * (q - 8)                   (18 bytes)
+      Q4_1: f16 d, f16 m, 16 bytes nibbles -> x = d * q + m                     (20 bytes)
+    """
+    if type_name not in SUPPORTED_TYPES:
+        raise GGUFError(f"tensor type {type_name} is not supported (supported: {', '.join(SUPPORTED_TYPES)}); "
+                        f"convert the model to one of those, e.g. with llama.cpp's llama-quantize")
+    if type_name == "F32":
+        return raw.view(np.float32).reshape(shape).copy()
+    if type_name == "F16":
+        return raw.view(np.float16).astype(np.float32).reshape(shape)
+    if type_name == "BF16":  # bf16 is the top half of an fp32: shift it back into place
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
+
+    block_bytes = GGML_TYPES[{"Q8_0": 8, "Q4_0": 2, "Q4_1": 3}[type_name]][2]
+    blocks = raw.reshape(-1, block_bytes)                           # [n_blocks, block_bytes]
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)   # [n_blocks, 1] scale
+    if type_name == "Q8_0":
+        q = blocks[:, 2:].view(np.int8).astype(np.float32)          # [n_blocks, 32]
+        return (q * d).reshape(shape)
+    nibbles = blocks[:, -16:]                                       # [n_blocks, 16]
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=1)      # [n_blocks, 32] values 0..15
+    if type_name == "Q4_0":
+        return (d * (q.astype(np.int8) - 8).astype(np.float32)).reshape(shape)
+    m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)   # [n_blocks, 1] minimum
+    return (d * q.astype(np.float32) + m).reshape(shape)
