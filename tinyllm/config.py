@@ -1,0 +1,86 @@
+"""ModelConfig: the handful of numbers that fix a transformer's shapes, and the sizes that follow from them.
+
+Dimension names used in shape comments across tinyllm:
+    T  tokens in this forward pass        S  positions in the KV cache (past + current)
+    D  model width (dim)                  F  feed-forward hidden width
+    H  query heads                        KVH key/value heads (GQA: KVH divides H)
+    G  query heads per KV head (H / KVH)  Dh head dim
+    V  vocabulary size                    L  layers
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ARCHITECTURES = ("llama", "gpt2")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str                 # "llama" (RMSNorm, RoPE, SwiGLU, GQA) or "gpt2" (LayerNorm, learned positions, GELU)
+    vocab_size: int           # V
+    dim: int                  # D
+    n_layers: int             # L
+    n_heads: int              # H
+    n_kv_heads: int           # KVH
+    ffn_dim: int              # F
+    context_length: int       # the longest sequence the model was trained for (and positions exist for)
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0   # llama only
+    tie_embeddings: bool = True   # output head shares the token embedding table
+    attn_bias: bool = False       # q/k/v/o projections carry biases (gpt2: always)
+    explicit_head_dim: int | None = None  # when Dh != D / H (some llama variants say so in config.json)
+    name: str = ""
+
+    def __post_init__(self):
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {self.arch!r}; tinyllm runs {', '.join(ARCHITECTURES)}")
+        for field in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "context_length"):
+            if int(getattr(self, field)) <= 0:
+                raise ValueError(f"config {field} must be positive, got {getattr(self, field)}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        if self.explicit_head_dim is None and self.dim % self.n_heads:
+            raise ValueError(f"dim ({self.dim}) must be a multiple of n_heads ({self.n_heads})")
+        if self.arch == "llama" and self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
+
+    # --- derived sizes -----------------------------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:  # Dh
+        return self.explicit_head_dim or self.dim // self.n_heads
+
+    @property
+    def kv_mul(self) -> int:  # G: how many query heads read each KV head
+        return self.n_heads // self.n_kv_heads
+
+    @property
+    def q_dim(self) -> int:  # H * Dh
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:  # KVH * Dh
+        return self.n_kv_heads * self.head_dim
+
+    def kv_bytes_per_token(self, bytes_per_value: int = 4) -> int:
+        """KV cache bytes one token costs: K and V, every layer, every KV head: 2 * L * KVH * Dh * bytes."""
+        return 2 * self.n_layers * self.kv_dim * bytes_per_value
+
+    @property
+    def n_params(self) -> int:
+        """Parameter count (the tied output head counted once, as model cards do)."""
+        D, F, L = self.dim, self.ffn_dim, self.n_layers
+        attn = D * self.q_dim + 2 * D * self.kv_dim + self.q_dim * D
+        if self.attn_bias:
+            attn += self.q_dim + 2 * self.kv_dim + D
+        if self.arch == "llama":
+            mlp, norms = 3 * D * F, 2 * D
+            extra = D  # final norm
+        else:
+            mlp, norms = 2 * D * F + F + D, 4 * D
+            extra = 2 * D + self.context_length * D  # final norm (+bias) and learned positions
+        head = 0 if self.tie_embeddings else self.vocab_size * D
+        return self.vocab_size * D + L * (attn + mlp + norms) + extra + head
+
+    def weight_bytes(self, bytes_per_param: float = 4) -> int:
+        """Bytes of weights at a given width (4 = fp32, 1 = int8, ~0.6 = 4-bit with block scales)."""
+        return int(self.n_params * bytes_per_param)

@@ -1,0 +1,175 @@
+"""The transformer: one forward pass, used three ways.
+
+    logits(ids)              no cache: the whole sequence at once (the reference every other path must match)
+    prefill(ids, cache)      the prompt in one pass: big matmuls (compute-bound), fills the cache
+    decode_step(id, cache)   one new token: reads every weight and the whole cache (memory-bound)
+
+All three run the same `forward`; the only difference is where K and V come from. Two families share the
+code: Llama (RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases) and GPT-2 (LayerNorm, learned
+positions, GELU, biases). Weights arrive as canonical named arrays from weights.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import ops
+from .config import ModelConfig
+from .kv_cache import ContiguousKVCache
+
+
+@dataclass
+class LayerWeights:
+    """One transformer block. Projections are [out, in]; q/k/v and gate/up are fused at load (one matmul each)."""
+
+    attn_norm: np.ndarray            # [D]
+    wqkv: np.ndarray                 # [(H + 2*KVH) * Dh, D]: rows of wq, then wk, then wv
+    wo: np.ndarray                   # [D, H*Dh]
+    ffn_norm: np.ndarray             # [D]
+    w_in: np.ndarray                 # llama: [2F, D] (gate rows, then up rows); gpt2: [F, D]
+    w_out: np.ndarray                # [D, F]
+    attn_norm_b: np.ndarray | None = None   # gpt2 LayerNorm biases and projection biases; None for llama
+    ffn_norm_b: np.ndarray | None = None
+    bqkv: np.ndarray | None = None
+    bo: np.ndarray | None = None
+    b_in: np.ndarray | None = None
+    b_out: np.ndarray | None = None
+
+
+class Transformer:
+    """A loaded model: config, weights, tokenizer, and the forward pass. Build it with `tinyllm.load`."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], tokenizer=None):
+        self.config = config
+        self.tokenizer = tokenizer
+        c = config
+        self.tok_embed = weights["tok_embed"]                      # [V, D]
+        self.lm_head = weights.get("lm_head", self.tok_embed)      # [V, D]; the same array when tied
+        self.final_norm = weights["final_norm"]                    # [D]
+        self.final_norm_b = weights.get("final_norm_b")
+        self.pos_embed = weights.get("pos_embed")                  # [context, D] (gpt2 only)
+        self.layers = []
+        for i in range(c.n_layers):
+            w = lambda name: weights.get(f"layers.{i}.{name}")     # noqa: E731
+            fuse = lambda *names: (np.concatenate([w(n) for n in names]) if w(names[0]) is not None else None)  # noqa: E731,E501
+            self.layers.append(LayerWeights(
+                attn_norm=w("attn_norm"), attn_norm_b=w("attn_norm_b"),
+                wqkv=fuse("wq", "wk", "wv"), bqkv=fuse("bq", "bk", "bv"),
+                wo=w("wo"), bo=w("bo"),
+                ffn_norm=w("ffn_norm"), ffn_norm_b=w("ffn_norm_b"),
+                w_in=fuse("w_gate", "w_up") if c.arch == "llama" else w("w_fc"), b_in=w("b_fc"),
+                w_out=w("w_down") if c.arch == "llama" else w("w_proj"), b_out=w("b_proj"),
+            ))
+        if c.arch == "llama":  # one table of rotation angles for every position the model supports
+            self.rope_cos, self.rope_sin = ops.rope_tables(c.head_dim, c.context_length, c.rope_theta)
+
+    # --- the three public ways in ----------------------------------------------------------------------------
+    def logits(self, ids) -> np.ndarray:
+        """No-cache reference forward over the whole sequence. -> [T, V] float32"""
+        return self.forward(ids, cache=None)
+
+    def prefill(self, ids, cache: ContiguousKVCache) -> np.ndarray:
+        """Run the prompt through in one pass, filling `cache`. -> [V] logits of the last prompt position.
+
+        Only the last position's logits are computed: the output head is V x D per row, and a prompt's other
+        rows would be thrown away.
+        """
+        return self.forward(ids, cache=cache, last_only=True)[0]
+
+    def decode_step(self, token_id: int, cache: ContiguousKVCache) -> np.ndarray:
+        """One new token at position cache.length, attending to everything cached. -> [V] logits"""
+        return self.forward([token_id], cache=cache)[0]
+
+    def new_cache(self, max_seq_len: int | None = None) -> ContiguousKVCache:
+        """A contiguous KV cache for up to `max_seq_len` positions (default: the model's context length)."""
+        n = self.config.context_length if max_seq_len is None else max_seq_len
+        if n > self.config.context_length:
+            raise ValueError(f"max_seq_len {n} exceeds the model's context length {self.config.context_length}")
+        return ContiguousKVCache(self.config, n)
+
+    # --- the forward pass -------------------------------------------------------------------------------------
+    def forward(self, ids, cache: ContiguousKVCache | None = None, last_only: bool = False) -> np.ndarray:
+        """Tokens `ids` at positions cache.length .. (or 0 .. without a cache). -> [T, V] (or [1, V] if last_only)"""
+        ids = self._check_ids(ids)                                  # [T]
+        T = len(ids)
+        start = 0 if cache is None else cache.length
+        if start + T > self.config.context_length:
+            raise ValueError(f"sequence of {start + T} tokens exceeds the model's context length "
+                             f"{self.config.context_length}; shorten the prompt or generate fewer tokens")
+        if cache is not None:
+            cache.check_room(T)
+
+        x = self.tok_embed[ids]                                     # [T, D]
+        if self.pos_embed is not None:                              # gpt2: learned absolute positions
+            x = x + self.pos_embed[start:start + T]
+        for i, layer in enumerate(self.layers):
+            x = self._block(x, layer, i, start, cache)              # [T, D]
+        if cache is not None:
+            cache.length = start + T
+        if last_only:
+            x = x[-1:]                                              # [1, D]
+        x = self._norm(x, self.final_norm, self.final_norm_b)
+        return ops.linear(x, self.lm_head)                          # [T, V]
+
+    def _block(self, x, layer: LayerWeights, i: int, start: int, cache) -> np.ndarray:
+        """One transformer block: x + attention(norm(x)), then x + mlp(norm(x)). x: [T, D] -> [T, D]"""
+        c = self.config
+        T, H, KVH, Dh = x.shape[0], c.n_heads, c.n_kv_heads, c.head_dim
+
+        # attention
+        h = self._norm(x, layer.attn_norm, layer.attn_norm_b)      # [T, D]
+        qkv = ops.linear(h, layer.wqkv, layer.bqkv)                 # [T, (H + 2*KVH) * Dh]
+        q = qkv[:, :H * Dh].reshape(T, H, Dh)                       # [T, H, Dh]
+        k = qkv[:, H * Dh:(H + KVH) * Dh].reshape(T, KVH, Dh)      # [T, KVH, Dh]
+        v = qkv[:, (H + KVH) * Dh:].reshape(T, KVH, Dh)            # [T, KVH, Dh]
+        if c.arch == "llama":                                       # rotate q and k by their positions
+            cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]   # [T, Dh/2]
+            q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
+        if cache is not None:                                       # store, then attend over the full history
+            k, v = cache.update(i, start, k, v)                     # [S, KVH, Dh], S = start + T
+        att = ops.attention(q, k, v, start)                         # [T, H*Dh]
+        x = x + ops.linear(att, layer.wo, layer.bo)                 # [T, D]
+
+        # feed-forward
+        h = self._norm(x, layer.ffn_norm, layer.ffn_norm_b)        # [T, D]
+        if c.arch == "llama":                                       # SwiGLU: silu(gate) * up
+            gate_up = ops.linear(h, layer.w_in)                     # [T, 2F]
+            h = ops.silu(gate_up[:, :c.ffn_dim]) * gate_up[:, c.ffn_dim:]   # [T, F]
+        else:
+            h = ops.gelu_tanh(ops.linear(h, layer.w_in, layer.b_in))       # [T, F]
+        return x + ops.linear(h, layer.w_out, layer.b_out)         # [T, D]
+
+    def _norm(self, x, weight, bias):
+        if self.config.arch == "llama":
+            return ops.rmsnorm(x, weight, self.config.norm_eps)
+        return ops.layernorm(x, weight, bias, self.config.norm_eps)
+
+    def _check_ids(self, ids) -> np.ndarray:
+        ids = np.asarray(ids)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError(f"expected a non-empty 1-D sequence of token ids, got shape {ids.shape}")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"token ids must be integers, got dtype {ids.dtype}")
+        bad = ids[(ids < 0) | (ids >= self.config.vocab_size)]
+        if bad.size:
+            raise ValueError(f"token id {int(bad[0])} is outside the vocabulary (0 .. {self.config.vocab_size - 1})")
+        return ids.astype(np.int64)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of all weight arrays (the tied output head counted once)."""
+        seen, total = set(), 0
+        arrays = [self.tok_embed, self.lm_head, self.final_norm, self.final_norm_b, self.pos_embed]
+        for layer in self.layers:
+            arrays.extend(vars(layer).values())
+        for a in arrays:
+            if a is not None and id(a) not in seen:
+                seen.add(id(a))
+                total += a.nbytes
+        return total
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"Transformer({c.name or c.arch}: {c.n_layers} layers, D={c.dim}, H={c.n_heads}, KVH={c.n_kv_heads}, "
+                f"V={c.vocab_size}, {c.n_params / 1e6:.1f}M params, {self.weight_bytes / 2**20:.0f} MiB)")

@@ -1,0 +1,89 @@
+"""The math of a transformer, as small pure numpy functions (float32 in, float32 out).
+
+This is the readable reference: every function is a few lines you can step through in a debugger. Shape
+names are defined in config.py (T tokens, S cached positions, D width, H/KVH heads, Dh head dim, ...).
+Nothing here allocates state or knows about caches; model.py wires these together.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
+    """y = x W^T (+ b). `w` is [out, in] (PyTorch's layout), so each output is one row of w dotted with x."""
+    y = x @ w.T                                         # [T, in] @ [in, out] -> [T, out]
+    return y if b is None else y + b
+
+
+def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """Llama's norm: scale each row to unit root-mean-square, then by a learned per-channel weight."""
+    ms = np.mean(x * x, axis=-1, keepdims=True)         # [T, 1]
+    return x * (1.0 / np.sqrt(ms + eps)) * weight       # [T, D]
+
+
+def layernorm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
+    """GPT-2's norm: subtract the row mean, divide by the row std, then scale and shift."""
+    mu = np.mean(x, axis=-1, keepdims=True)             # [T, 1]
+    xc = x - mu
+    var = np.mean(xc * xc, axis=-1, keepdims=True)      # [T, 1]
+    return xc / np.sqrt(var + eps) * weight + bias      # [T, D]
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GPT-2's GELU (the tanh approximation, 'gelu_new' in transformers)."""
+    return 0.5 * x * (1.0 + np.tanh(np.float32(0.7978845608028654) * (x + np.float32(0.044715) * x * x * x)))
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    """exp(x) / sum(exp(x)), shifted by the max so exp never overflows."""
+    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def rope_tables(head_dim: int, n_positions: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of every rotation angle: position p, pair i rotates by p * theta^(-2i/Dh).
+
+    Computed in float64 and rounded once, so long positions keep their precision. -> two [P, Dh/2] arrays.
+    """
+    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)   # [Dh/2]
+    angles = np.outer(np.arange(n_positions, dtype=np.float64), inv_freq)           # [P, Dh/2]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate each head's vector by its position's angles (RoPE, Su et al. 2021), half-split convention.
+
+    Dimension i is paired with i + Dh/2 (Hugging Face's `rotate_half` layout; GGUF files store q/k rows
+    permuted for adjacent pairs, and weights.py un-permutes them so one convention holds everywhere).
+    x: [T, nh, Dh]; cos, sin: [T, Dh/2] for the tokens' positions.
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]               # [T, nh, Dh/2] each
+    c, s = cos[:, None, :], sin[:, None, :]              # [T, 1, Dh/2]: the same angle for every head
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)   # [T, nh, Dh]
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
+    """Causal scaled dot-product attention with grouped-query heads.
+
+    q: [T, H, Dh] for positions start .. start+T-1; k, v: [S, KVH, Dh] for positions 0 .. S-1 (S = start + T).
+    GQA: query head h reads KV head h // G. Reshaping q to [KVH, G, T, Dh] lets one matmul per KV head serve
+    its G query heads; K and V are never copied or repeated. -> [T, H*Dh]
+    """
+    T, H, Dh = q.shape
+    S, KVH, _ = k.shape
+    G = H // KVH
+    qg = q.reshape(T, KVH, G, Dh).transpose(1, 2, 0, 3)            # [KVH, G, T, Dh]
+    kt = k.transpose(1, 2, 0)[:, None]                             # [KVH, 1, Dh, S]
+    scores = (qg @ kt) * np.float32(1.0 / np.sqrt(Dh))             # [KVH, G, T, S]
+    # causal mask: query at position start+t may see keys at positions <= start+t
+    q_pos = start + np.arange(T)[:, None]                          # [T, 1]
+    visible = np.arange(S)[None, :] <= q_pos                       # [T, S]
+    scores = np.where(visible, scores, np.float32(-np.inf))
+    probs = softmax(scores, axis=-1)                               # [KVH, G, T, S]
+    out = probs @ v.transpose(1, 0, 2)[:, None]                    # [KVH, G, T, Dh]
+    return out.transpose(2, 0, 1, 3).reshape(T, H * Dh)            # [T, H*Dh]
