@@ -17,6 +17,7 @@ scripts/make_reference_fixtures.py and benchmarks/bench_vs_transformers.py.
 """
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import numpy as np
@@ -108,6 +109,16 @@ def chatml(messages: list[dict], add_generation_prompt: bool = True) -> str:
     return "".join(out)
 
 
+def _transformers_at_least(version: str) -> bool:
+    """True when the installed transformers is at least `version` (e.g. "4.56")."""
+    import transformers
+
+    def parts(v: str) -> tuple[int, ...]:
+        return tuple(int(p) for p in v.split("+")[0].split(".")[:2] if p.isdigit())
+
+    return parts(transformers.__version__) >= parts(version)
+
+
 def reference_model(gguf_path, threads: int | None = 2):
     """transformers' LlamaForCausalLM loaded from the GGUF file, dequantized to torch fp32, in eval mode.
 
@@ -120,11 +131,29 @@ def reference_model(gguf_path, threads: int | None = 2):
     if threads is not None:
         torch.set_num_threads(threads)
     path = Path(gguf_path).resolve()
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, torch_dtype=torch.float32
-    )
+    # transformers >= 4.56 names the argument `dtype` (and warns on the old `torch_dtype`).
+    dtype_kw = "dtype" if _transformers_at_least("4.56") else "torch_dtype"
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **{dtype_kw: torch.float32})
     model.eval()
     return model
+
+
+def reference_forward(model, ids, cache=None):
+    """One forward of the reference model over `ids` (a list of ints), continuing `cache` if given.
+
+    Returns (logits, cache): logits a torch float32 tensor [len(ids), V]; cache the HF KV cache to pass to the
+    next call (created on the first call). Works whether transformers calls it `cache` (>= 5.x) or
+    `past_key_values` (4.x).
+    """
+    import torch
+
+    x = torch.tensor([list(ids)], dtype=torch.long)  # [1, T]
+    new_name = "cache" in inspect.signature(model.forward).parameters
+    kwargs = {"cache" if new_name else "past_key_values": cache} if cache is not None else {}
+    with torch.inference_mode():
+        out = model(input_ids=x, use_cache=True, **kwargs)
+    new_cache = out.cache if new_name else out.past_key_values
+    return out.logits[0], new_cache  # [T, V]
 
 
 def reference_logits(model, ids) -> np.ndarray:
@@ -143,25 +172,16 @@ def reference_greedy(model, ids, n: int, return_logits: bool = False):
     Returns the list of n generated ids; with return_logits=True, also the float32 array [n, V] of logits
     each generated token was chosen from (row k produced token k).
     """
-    import torch
-
-    x = torch.tensor([list(ids)], dtype=torch.long)  # [1, T]
     out_ids: list[int] = []
-    rows = []
-    with torch.inference_mode():
-        out = model(input_ids=x, use_cache=True)
-        for step in range(n):
-            logits = out.logits[0, -1].float()  # [V]
-            nxt = int(torch.argmax(logits))
-            out_ids.append(nxt)
-            rows.append(logits.numpy().copy())
-            if step == n - 1:
-                break
-            out = model(
-                input_ids=torch.tensor([[nxt]], dtype=torch.long),  # [1, 1]
-                past_key_values=out.past_key_values,
-                use_cache=True,
-            )
+    rows: list[np.ndarray] = []
+    logits, cache = reference_forward(model, ids)  # [T, V]
+    for step in range(n):
+        row = logits[-1].float().numpy()  # [V]
+        nxt = int(np.argmax(row))
+        out_ids.append(nxt)
+        rows.append(row.copy())
+        if step < n - 1:
+            logits, cache = reference_forward(model, [nxt], cache)  # [1, V]
     if return_logits:
         return out_ids, np.stack(rows).astype(np.float32)  # [n, V]
     return out_ids
