@@ -1,1 +1,38 @@
-"""tinyllm: transformer inference from scratch in numpy."""
+"""tinyllm: transformer inference from scratch in numpy.
+
+    import tinyllm
+    model = tinyllm.load()                                   # SmolLM2-135M-Instruct, fetched on first use
+    out = tinyllm.generate(model, "The capital of France is", max_new_tokens=16)
+    print(out.text, out.stats.summary())
+
+Read the code in the order a token travels: tokenizer.py -> model.py (ops.py, kv_cache.py) -> sampling.py
+-> generate.py. Weights come from weights.py (gguf.py for GGUF files); hub.py fetches the default model.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .config import ModelConfig
+from .generate import GenerationResult, GenerationStats, generate, stream
+from .model import Transformer
+from .sampling import SamplingParams
+from .threads import set_threads
+
+__all__ = ["load", "generate", "stream", "set_threads", "Transformer", "ModelConfig", "SamplingParams",
+           "GenerationResult", "GenerationStats"]
+
+QUANT_FORMATS = (None, "fp32")
+
+
+def load(path: str | Path | None = None, quant: str | None = None) -> Transformer:
+    """Load a model: a .gguf file, a Hugging Face directory, or (path=None) the default model.
+
+    quant: None / "fp32" keeps float32 weights (dequantized from the file's storage type).
+    """
+    from . import hub
+    from .weights import load_checkpoint
+
+    if quant not in QUANT_FORMATS:
+        raise ValueError(f"unknown quant {quant!r}; choose one of: {', '.join(str(q) for q in QUANT_FORMATS)}")
+    config, weights, tokenizer = load_checkpoint(hub.ensure_default_model() if path is None else path)
+    return Transformer(config, weights, tokenizer)

@@ -1,0 +1,214 @@
+"""The generation loop, written out: tokenize, prefill, then one decode step per new token.
+
+    prompt ids --prefill--> logits --sample--> token 1      (TTFT ends here)
+    token n    --decode_step--> logits --sample--> token n+1  (one inter-token latency each)
+
+It stops at an end-of-sequence token, a stop string, `max_new_tokens`, or the end of the model's context,
+and measures what a serving engineer reads first: time to first token, prefill and decode tokens/s, and
+the inter-token latencies. `stream` yields text as it is decoded; `generate` collects everything.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from .sampling import SamplingParams, sample
+
+FINISH_REASONS = ("eos", "stop_string", "length", "context")
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_s: float = 0.0               # request start (incl. tokenization) -> first token sampled
+    prefill_s: float = 0.0            # the prefill forward pass alone
+    decode_s: float = 0.0             # all decode steps (each: forward + sample)
+    itl_s: list[float] = field(default_factory=list)   # one entry per token after the first
+    kv_bytes_per_token: int = 0
+    kv_cache_bytes: int = 0           # reserved for this request
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return len(self.itl_s) / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def itl_mean_s(self) -> float:
+        return float(np.mean(self.itl_s)) if self.itl_s else 0.0
+
+    @property
+    def itl_p95_s(self) -> float:
+        return float(np.percentile(self.itl_s, 95)) if self.itl_s else 0.0
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in vars(self).items()}
+        d.update(prefill_tokens_per_s=self.prefill_tokens_per_s, decode_tokens_per_s=self.decode_tokens_per_s,
+                 itl_mean_s=self.itl_mean_s, itl_p95_s=self.itl_p95_s)
+        return d
+
+    def summary(self) -> str:
+        return (f"prompt {self.prompt_tokens} tok | generated {self.generated_tokens} tok | "
+                f"TTFT {self.ttft_s * 1e3:.0f} ms | prefill {self.prefill_tokens_per_s:.0f} tok/s | "
+                f"decode {self.decode_tokens_per_s:.1f} tok/s | "
+                f"ITL mean {self.itl_mean_s * 1e3:.1f} ms p95 {self.itl_p95_s * 1e3:.1f} ms")
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]              # generated ids (the end-of-sequence token itself is not included)
+    text: str                         # their text, cut before a stop string if one was hit
+    prompt_ids: list[int]
+    stats: GenerationStats
+    finish_reason: str                # one of FINISH_REASONS
+
+
+class Stream:
+    """Iterate to get text pieces as they are decoded; afterwards `.result` holds ids, text and stats."""
+
+    def __init__(self, pieces: Iterator[str], holder: list):
+        self._pieces, self._holder = pieces, holder
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._pieces
+
+    @property
+    def result(self) -> GenerationResult:
+        if not self._holder:
+            raise RuntimeError("the stream has not finished yet: iterate over it first")
+        return self._holder[0]
+
+
+def stream(model, prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+           top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0, seed: int | None = None,
+           stop: Sequence[str] = (), chat: bool = False) -> Stream:
+    """Generate from `prompt` and yield text pieces as they decode (never half a UTF-8 character).
+
+    prompt: a string (used as is, or wrapped in the model's chat template if `chat=True`), a list of chat
+    messages ({"role", "content"} dicts, always templated), or a list of token ids.
+    """
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                            repetition_penalty=repetition_penalty, seed=seed)
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise ValueError(f"invalid max_new_tokens={max_new_tokens!r}: must be an integer >= 1")
+    if isinstance(stop, str):
+        stop = [stop]
+    if any(not isinstance(s, str) or not s for s in stop):
+        raise ValueError("stop strings must be non-empty strings")
+    holder: list = []
+    return Stream(_run(model, prompt, params, max_new_tokens, list(stop), chat, holder), holder)
+
+
+def generate(model, prompt, **kwargs) -> GenerationResult:
+    """Generate and return everything at once: `.token_ids`, `.text`, `.stats`, `.finish_reason`.
+    Keywords as for `stream`."""
+    s = stream(model, prompt, **kwargs)
+    for _ in s:
+        pass
+    return s.result
+
+
+def prompt_ids(model, prompt, chat: bool = False) -> list[int]:
+    """Token ids for a prompt given as text, chat messages, or ids (checked against the vocabulary)."""
+    tok = model.tokenizer
+    if isinstance(prompt, str):
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+        ids = tok.encode(text)
+    elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        ids = tok.encode(tok.apply_chat_template(list(prompt)))
+    else:
+        ids = [int(i) for i in np.asarray(prompt).ravel()]
+    if not ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    V = model.config.vocab_size
+    if any(not 0 <= i < V for i in ids):
+        raise ValueError(f"prompt has token ids outside the vocabulary (0 .. {V - 1})")
+    return ids
+
+
+def end_token_ids(tokenizer) -> set[int]:
+    """Ids that end a generation: the eos token, and `<|endoftext|>` when the vocabulary has it."""
+    ends = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()
+    ends |= {i for i in tokenizer.special_ids if tokenizer.id_to_bytes(i) == b"<|endoftext|>"}
+    return ends
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """How many trailing characters of `text` could still grow into a stop string (so must not be shown yet)."""
+    hold = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:n]):
+                hold = max(hold, n)
+                break
+    return hold
+
+
+def _run(model, prompt, params: SamplingParams, max_new_tokens: int, stops: list[str], chat: bool,
+         holder: list) -> Iterator[str]:
+    t_start = time.perf_counter()
+    tok = model.tokenizer
+    ids = prompt_ids(model, prompt, chat)
+    ctx = model.config.context_length
+    if len(ids) >= ctx:
+        raise ValueError(f"the prompt has {len(ids)} tokens but the model's context is {ctx}: shorten it "
+                         f"(at least one position must be left to generate into)")
+    rng = params.make_rng()
+    ends = end_token_ids(tok)
+    stats = GenerationStats(prompt_tokens=len(ids))
+    cache = model.new_cache(min(ctx, len(ids) + max_new_tokens))
+    stats.kv_bytes_per_token, stats.kv_cache_bytes = cache.bytes_per_token, cache.nbytes
+
+    # --- prefill: the whole prompt in one pass -> logits for the first new token
+    t0 = time.perf_counter()
+    logits = model.prefill(ids, cache)                                   # [V]
+    stats.prefill_s = time.perf_counter() - t0
+
+    decoder = tok.stream_decoder()
+    history = list(ids)          # for the repetition penalty
+    out_ids: list[int] = []
+    text, shown = "", 0          # all text decoded so far; how much of it has been yielded
+    finish = "length"
+    t_prev = None
+    while True:
+        next_id = sample(logits, params, rng, history)
+        now = time.perf_counter()
+        if t_prev is None:
+            stats.ttft_s = now - t_start
+        else:
+            stats.itl_s.append(now - t_prev)
+        t_prev = now
+        if next_id in ends:
+            finish = "eos"
+            break
+        out_ids.append(next_id)
+        history.append(next_id)
+        text += decoder.feed(next_id)
+        hit = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+        if hit >= 0:                                                     # cut before the stop string
+            text, finish = text[:hit], "stop_string"
+            break
+        safe = len(text) - _held_back(text, stops)
+        if safe > shown:
+            yield text[shown:safe]
+            shown = safe
+        if len(out_ids) >= max_new_tokens:
+            break
+        if cache.length >= ctx:
+            finish = "context"
+            break
+        # --- decode: one token through the model, reading the cache
+        logits = model.decode_step(next_id, cache)                       # [V]
+    stats.decode_s = sum(stats.itl_s)
+    if finish != "stop_string":
+        text += decoder.flush()
+    if len(text) > shown:
+        yield text[shown:]
+    stats.generated_tokens = len(out_ids)
+    holder.append(GenerationResult(out_ids, text, ids, stats, finish))

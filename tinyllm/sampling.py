@@ -1,0 +1,97 @@
+"""Turning one row of logits into one token id.
+
+Sampling only reshapes the distribution the model produced; it never changes the model, the cache or the
+cost of a step. Order of operations (as in Hugging Face transformers):
+
+    repetition penalty -> temperature -> top-k -> top-p -> min-p -> draw
+
+Temperature 0 means greedy: the argmax (after the repetition penalty). Randomness comes only from an
+explicit `np.random.Generator`, so a seed reproduces a run exactly.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0          # 0 = greedy; 1 = the model's distribution; >1 flatter, <1 sharper
+    top_k: int = 0                    # keep the k most likely tokens (0 = off)
+    top_p: float = 1.0                # keep the smallest set whose probability reaches p (1 = off)
+    min_p: float = 0.0                # drop tokens below min_p * p(top token) (0 = off)
+    repetition_penalty: float = 1.0   # >1 discourages tokens already in the context (1 = off)
+    seed: int | None = None
+
+    def __post_init__(self):
+        def bad(name, value, rule):
+            raise ValueError(f"invalid {name}={value!r}: must be {rule}")
+
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            bad("temperature", self.temperature, "a finite number >= 0 (0 = greedy)")
+        if not isinstance(self.top_k, (int, np.integer)) or isinstance(self.top_k, bool) or self.top_k < 0:
+            bad("top_k", self.top_k, "an integer >= 0 (0 = off)")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            bad("top_p", self.top_p, "in (0, 1] (1 = off)")
+        if not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1):
+            bad("min_p", self.min_p, "in [0, 1] (0 = off)")
+        if not (isinstance(self.repetition_penalty, (int, float)) and math.isfinite(self.repetition_penalty)
+                and self.repetition_penalty > 0):
+            bad("repetition_penalty", self.repetition_penalty, "a finite number > 0 (1 = off)")
+        if self.seed is not None and (not isinstance(self.seed, (int, np.integer)) or self.seed < 0):
+            bad("seed", self.seed, "a non-negative integer or None")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def make_rng(self) -> np.random.Generator:
+        return np.random.default_rng(self.seed)
+
+
+def apply_repetition_penalty(logits: np.ndarray, history, penalty: float) -> np.ndarray:
+    """CTRL's penalty (Keskar et al. 2019): for each token already seen, divide a positive logit by
+    `penalty` and multiply a negative one, so the token always becomes less likely. -> new [V] array"""
+    if penalty == 1.0 or len(history) == 0:
+        return logits
+    out = logits.copy()
+    seen = np.unique(np.asarray(history, dtype=np.int64))
+    vals = out[seen]
+    out[seen] = np.where(vals > 0, vals / penalty, vals * penalty)
+    return out
+
+
+def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The distribution sampling draws from, after temperature, top-k, top-p and min-p. [V] -> [V] (sums to 1)"""
+    z = logits.astype(np.float64) / params.temperature            # [V]
+    z -= z.max()
+    if 0 < params.top_k < len(z):                                 # keep the k largest
+        kth = np.partition(z, -params.top_k)[-params.top_k]
+        z = np.where(z >= kth, z, -np.inf)
+    p = np.exp(z)
+    p /= p.sum()
+    if params.top_p < 1.0:                                        # nucleus: smallest prefix reaching top_p
+        order = np.argsort(-p, kind="stable")
+        cum = np.cumsum(p[order])
+        keep = np.searchsorted(cum, params.top_p) + 1             # tokens needed to reach the mass
+        mask = np.zeros_like(p, dtype=bool)
+        mask[order[:keep]] = True
+        p = np.where(mask, p, 0.0)
+        p /= p.sum()
+    if params.min_p > 0.0:                                        # relative floor under the top token
+        p = np.where(p >= params.min_p * p.max(), p, 0.0)
+        p /= p.sum()
+    return p
+
+
+def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, history=()) -> int:
+    """Pick the next token id from `logits` ([V]); `history` is the ids so far (for the repetition penalty)."""
+    logits = apply_repetition_penalty(logits, history, params.repetition_penalty)
+    if params.greedy:
+        return int(np.argmax(logits))
+    p = probabilities(logits, params)
+    cdf = np.cumsum(p)                                            # inverse-CDF draw: one uniform number
+    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(p) - 1))
