@@ -1,0 +1,503 @@
+"""Byte-level BPE tokenizer (GPT-2, Llama 3, SmolLM2 style): text <-> token ids.
+
+Encoding runs four steps, each visible below:
+  1. special tokens: text such as "<|im_start|>" is cut out first and becomes its one id (allow_special=False
+     turns this off, so user text can never forge a control token);
+  2. pre-tokenization: a regex, chosen per model, splits the rest into words (SmolLM2: "Hi  42!" -> "Hi", "  ",
+     "4", "2", "!"); BPE never merges across two words;
+  3. bytes: each word becomes its UTF-8 bytes, and each byte its single-byte token;
+  4. BPE merges: repeatedly merge the adjacent pair whose merge was learned first (lowest rank), until no
+     adjacent pair has a merge. The result for each word is cached, as text repeats words a lot.
+Decoding concatenates the tokens' bytes and decodes them as UTF-8 (see `Tokenizer.decode` for the repair rule).
+
+Unencodable bytes: a vocabulary may lack a token for some byte values (SmolLM2 lacks 21: the controls 0x04 0x06
+0x13 0x14 0x16 0x1D, the lead bytes 0xF1 0xF2 of Unicode planes 4-11, and 0xC0 0xC1 0xF5-0xFF that valid UTF-8
+never contains). Like HF tokenizers and llama.cpp, tinyllm drops such bytes silently before merging, so ids match
+the reference; `Tokenizer.unencodable_bytes` lists them, and decode(encode(s)) == s holds exactly when s contains
+none of them.
+
+Not here: SentencePiece tokenizers (Llama 2), normalizers, byte fallback, BPE dropout; training is in bpe_train.py.
+"""
+from __future__ import annotations
+
+import json
+from itertools import chain
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import regex
+
+# --- pre-tokenizer patterns --------------------------------------------------------------------------------
+# Each pattern matches every character of any text (letters, numbers, whitespace and everything else each have
+# an alternative), so `findall` loses nothing: the words it returns concatenate back to the text.
+
+# GPT-2: contractions, letter runs, number runs and symbol runs (each with one optional leading space), then
+# whitespace. `\s+(?!\S)` leaves the last space of a run to start the next word: "a   b" -> "a", "  ", " b".
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+# SmolLM2 (GGUF pre "smollm", HF Digits(individual_digits=True) then ByteLevel): every number character is split
+# off alone first, then the GPT-2 pattern runs on the pieces between them. Written here as one regex: `\p{N}`
+# takes one number character; ` ?\p{N}+` is gone; and a whitespace run just before a number ends a piece in the
+# two-step form, so it stays whole (`\s+(?=\p{N})`) instead of giving its last space away.
+# Example: "a  2" -> "a", "  ", "2" (ids 81, 256, 34).
+SMOLLM_PATTERN = r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?=\p{N})|\s+(?!\S)|\s+"""
+
+# Llama 3 (GGUF pre "llama-bpe"): case-insensitive contractions, numbers in groups of up to 3 digits, newlines
+# kept apart from other whitespace, any one non-letter may lead a letter run.
+LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
+                  r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+# Qwen2: Llama 3's pattern with every digit alone.
+QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
+
+# GGUF `tokenizer.ggml.pre` -> (pattern, ignore_merges). The names and groupings follow llama.cpp (llama-vocab.cpp).
+# ignore_merges: a word that is itself in the vocab is taken whole, without running the merges (Llama 3 does).
+GGUF_PRETOKENIZERS: dict[str, tuple[str, bool]] = {
+    "gpt2": (GPT2_PATTERN, False), "gpt-2": (GPT2_PATTERN, False),
+    "smollm": (SMOLLM_PATTERN, False), "starcoder": (SMOLLM_PATTERN, False), "refact": (SMOLLM_PATTERN, False),
+    "llama-bpe": (LLAMA3_PATTERN, True), "llama3": (LLAMA3_PATTERN, True),
+    "qwen2": (QWEN2_PATTERN, False),
+}
+
+# GGUF token types (llama.cpp's llama_token_type). Control and user-defined tokens are matched in text as a whole.
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+
+# The per-word cache is cleared when it holds more words than this (about 20-30 MB), so memory stays bounded.
+WORD_CACHE_LIMIT = 200_000
+
+
+# --- GPT-2's byte <-> character table ----------------------------------------------------------------------
+def byte_level_alphabet() -> list[str]:
+    """GPT-2's table of 256 printable characters, one per byte value: `alphabet[byte] -> char`.
+
+    Vocab files (tokenizer.json, GGUF) store tokens as text, so GPT-2 gives every byte a visible character: the
+    188 printable Latin-1 bytes stand for themselves, the other 68 (controls, space, 0x7F-0xA0, 0xAD) become
+    chr(256), chr(257), ... in byte order. That is why a leading space shows as 'Ġ' (chr(256 + 32)) and a
+    newline as 'Ċ' in vocab files. tinyllm undoes the table when loading and works on raw bytes after that.
+    """
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    alphabet, n_moved = [], 0
+    for byte in range(256):
+        if byte in printable:
+            alphabet.append(chr(byte))
+        else:
+            alphabet.append(chr(256 + n_moved))
+            n_moved += 1
+    return alphabet
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """The inverse table: char -> byte."""
+    return {char: byte for byte, char in enumerate(byte_level_alphabet())}
+
+
+def _byte_level_to_bytes(token: str, char_to_byte: Mapping[str, int]) -> bytes:
+    """'Ġthe' -> b' the'. ValueError if `token` has a character outside GPT-2's table (not a byte-level vocab)."""
+    try:
+        return bytes(char_to_byte[char] for char in token)
+    except KeyError as e:
+        raise ValueError(f"token {token!r} has the character {e.args[0]!r}, which is not in GPT-2's byte-level "
+                         f"alphabet: this vocab is not byte-level BPE") from None
+
+
+# --- the BPE core (shared with bpe_train.py) ---------------------------------------------------------------
+def merge_pair(ids: list[int], pair: tuple[int, int], new_id: int) -> list[int]:
+    """Replace every occurrence of `pair` in `ids` by `new_id`, scanning left to right.
+
+    >>> merge_pair([5, 6, 6, 6], (6, 6), 9)      # leftmost occurrence first; occurrences never overlap
+    [5, 9, 6]
+    """
+    out, i, n = [], 0, len(ids)
+    while i < n:
+        if i + 1 < n and ids[i] == pair[0] and ids[i + 1] == pair[1]:
+            out.append(new_id)
+            i += 2
+        else:
+            out.append(ids[i])
+            i += 1
+    return out
+
+
+def bpe(ids: list[int], ranks: Mapping[tuple[int, int], int], merged: Mapping[tuple[int, int], int]) -> list[int]:
+    """Byte-pair encode one word: while some adjacent pair has a merge, apply the one with the lowest rank.
+
+    `ranks[pair]` is the merge's position in the merges list (0 = learned first); `merged[pair]` the id it makes.
+    Merging every occurrence of the best pair at once gives the same result as HF tokenizers' one-at-a-time
+    priority queue (equal ranks mean the same pair, which both take leftmost first).
+    """
+    no_merge = float("inf")
+    while len(ids) >= 2:
+        pair = min(zip(ids, ids[1:]), key=lambda p: ranks.get(p, no_merge))   # lowest-rank adjacent pair
+        if pair not in ranks:
+            break                                                              # nothing left to merge
+        ids = merge_pair(ids, pair, merged[pair])
+    return ids
+
+
+# --- the tokenizer -----------------------------------------------------------------------------------------
+class Tokenizer:
+    """Byte-level BPE tokenizer: `encode(text) -> ids`, `decode(ids) -> text`, built from data.
+
+    Build it with `from_gguf_metadata`, `from_tokenizer_json` or `from_merges` (a trained BPE). The constructor
+    takes the vocab as raw bytes, the file formats' GPT-2 byte-to-character encoding already undone:
+      token_bytes:  token_bytes[id] is the bytes of token `id` (for added tokens: the UTF-8 of their text).
+      merges:       (left_id, right_id, merged_id) in rank order: merges[0] is applied first.
+      pattern:      the pre-tokenizer regex (see the *_PATTERN constants).
+      added_tokens: text -> id of tokens matched as a whole in the input text before pre-tokenization.
+      special_ids:  control tokens: decode(skip_special=True) drops them.
+      ignore_merges: a word that is itself a token is taken whole (Llama 3); otherwise merges decide.
+    """
+
+    def __init__(self, token_bytes: Sequence[bytes], merges: Iterable[tuple[int, int, int]], pattern: str, *,
+                 added_tokens: Mapping[str, int] | None = None, special_ids: Iterable[int] = (),
+                 bos_id: int | None = None, eos_id: int | None = None, chat_template: str | None = None,
+                 ignore_merges: bool = False):
+        self._token_bytes = [bytes(b) for b in token_bytes]   # id -> bytes
+        self._added = dict(added_tokens or {})                 # text -> id, matched whole in the input
+        special_ids = frozenset(special_ids)
+        vocab_size = len(self._token_bytes)
+        for token_id in [*self._added.values(), *special_ids, bos_id, eos_id]:
+            if token_id is not None and not 0 <= token_id < vocab_size:
+                raise ValueError(f"token id {token_id} is outside the vocab (size {vocab_size})")
+        self.special_ids = special_ids
+        self.bos_id, self.eos_id = bos_id, eos_id
+        self.chat_template = chat_template
+        self.ignore_merges = ignore_merges
+        self.pattern = pattern
+        self._words = regex.compile(pattern)
+
+        # bytes -> id of ordinary tokens (used for the single-byte tokens and by ignore_merges).
+        added_ids = set(self._added.values())
+        self._bytes_to_id: dict[bytes, int] = {}
+        for token_id, data in enumerate(self._token_bytes):
+            if token_id not in added_ids:
+                self._bytes_to_id.setdefault(data, token_id)
+        self._byte_ids = [self._bytes_to_id.get(bytes([b])) for b in range(256)]   # byte -> id, or None
+
+        self._ranks: dict[tuple[int, int], int] = {}    # (left, right) -> rank (0 = merged first)
+        self._merged: dict[tuple[int, int], int] = {}   # (left, right) -> id of the merged token
+        for rank, (left, right, new) in enumerate(merges):
+            if not all(0 <= t < vocab_size for t in (left, right, new)):
+                raise ValueError(f"merge {rank} ({left}, {right}) -> {new} uses an id outside the vocab")
+            self._ranks.setdefault((left, right), rank)
+            self._merged.setdefault((left, right), new)
+
+        # One regex for all added tokens, longest first, so "<|im_start|>" wins over any shorter prefix of it.
+        longest_first = sorted(self._added, key=len, reverse=True)
+        self._added_re = regex.compile("(" + "|".join(map(regex.escape, longest_first)) + ")") if self._added else None
+        self._cache: dict[str, tuple[int, ...]] = {}    # word -> its ids
+
+    # --- constructors from files ---------------------------------------------------------------------------
+    @classmethod
+    def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> "Tokenizer":
+        """Build from a GGUF file's metadata (`tokenizer.ggml.*` keys, `tokenizer.chat_template`)."""
+        def get(key: str) -> Any:
+            if key not in metadata:
+                raise ValueError(f"GGUF metadata has no {key!r}: the file carries no (complete) tokenizer")
+            return metadata[key]
+
+        model = get("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise ValueError(f"tokenizer.ggml.model is {model!r}: tinyllm implements only byte-level BPE ('gpt2'), "
+                             f"not SentencePiece ('llama') or others")
+        pre = get("tokenizer.ggml.pre")
+        if pre not in GGUF_PRETOKENIZERS:
+            raise ValueError(f"tokenizer.ggml.pre is {pre!r}, a pre-tokenizer tinyllm does not know; known: "
+                             f"{', '.join(sorted(GGUF_PRETOKENIZERS))}")
+        pattern, ignore_merges = GGUF_PRETOKENIZERS[pre]
+        tokens: list[str] = get("tokenizer.ggml.tokens")
+        types = metadata.get("tokenizer.ggml.token_type", [1] * len(tokens))
+        if len(types) != len(tokens):
+            raise ValueError(f"GGUF metadata has {len(tokens)} tokens but {len(types)} token types")
+
+        char_to_byte = _byte_level_decoder()
+        token_bytes, added, special = [], {}, []
+        for token_id, (token, token_type) in enumerate(zip(tokens, types)):
+            if token_type in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED):
+                token_bytes.append(token.encode("utf-8"))   # stored as plain text, not byte-level
+                added[token] = token_id
+                if token_type == TOKEN_TYPE_CONTROL:
+                    special.append(token_id)
+            else:
+                token_bytes.append(_byte_level_to_bytes(token, char_to_byte))
+        vocab = {token: token_id for token_id, token in enumerate(tokens)}
+        merges = _merge_ids((m.split(" ") for m in get("tokenizer.ggml.merges")), vocab)
+        return cls(token_bytes, merges, pattern, added_tokens=added, special_ids=special,
+                   bos_id=metadata.get("tokenizer.ggml.bos_token_id"),
+                   eos_id=metadata.get("tokenizer.ggml.eos_token_id"),
+                   chat_template=metadata.get("tokenizer.chat_template"), ignore_merges=ignore_merges)
+
+    @classmethod
+    def from_tokenizer_json(cls, path: str | Path) -> "Tokenizer":
+        """Build from an HF tokenizer.json (ByteLevel BPE: GPT-2, SmolLM, Llama 3 style); `path` may be its folder.
+
+        bos/eos tokens and the chat template come from tokenizer_config.json beside it, when present.
+        """
+        path = Path(path)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        spec = json.loads(path.read_text(encoding="utf-8"))
+        model = spec.get("model") or {}
+        if model.get("type") != "BPE":
+            raise ValueError(f"{path}: model type {model.get('type')!r} is not supported (only BPE)")
+        for key in ("normalizer",):
+            if spec.get(key):
+                raise ValueError(f"{path}: a {key} ({spec[key].get('type')}) is not supported")
+        for key in ("byte_fallback", "dropout", "continuing_subword_prefix", "end_of_word_suffix"):
+            if model.get(key):
+                raise ValueError(f"{path}: BPE option {key}={model[key]!r} is not supported")
+        if spec.get("decoder") and spec["decoder"].get("type") != "ByteLevel":
+            raise ValueError(f"{path}: decoder {spec['decoder'].get('type')!r} is not supported (only ByteLevel)")
+        pattern = _pattern_from_hf_pre_tokenizer(spec.get("pre_tokenizer"), path)
+
+        vocab: dict[str, int] = model["vocab"]
+        added = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
+        special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+        id_to_text = {**{i: t for t, i in vocab.items()}, **{i: t for t, i in added.items()}}
+        if sorted(id_to_text) != list(range(len(id_to_text))):
+            raise ValueError(f"{path}: token ids are not contiguous from 0")
+        char_to_byte = _byte_level_decoder()
+        token_bytes = [text.encode("utf-8") if token_id in special or text in added
+                       else _byte_level_to_bytes(text, char_to_byte)
+                       for token_id, text in sorted(id_to_text.items())]
+        merges = _merge_ids((m.split(" ") if isinstance(m, str) else m for m in model["merges"]), vocab)
+
+        config_path = path.with_name("tokenizer_config.json")
+        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.exists() else {}
+        text_to_id = {**vocab, **added}
+
+        def token_id(key: str) -> int | None:
+            token = config.get(key)
+            token = token.get("content") if isinstance(token, dict) else token
+            return text_to_id.get(token) if token is not None else None
+
+        template = config.get("chat_template")
+        if isinstance(template, list):   # several named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        return cls(token_bytes, merges, pattern, added_tokens=added, special_ids=special,
+                   bos_id=token_id("bos_token"), eos_id=token_id("eos_token"), chat_template=template,
+                   ignore_merges=bool(model.get("ignore_merges", False)))
+
+    @classmethod
+    def from_merges(cls, merges: Sequence[tuple[int, int]], pattern: str = GPT2_PATTERN) -> "Tokenizer":
+        """Build from trained merges (see bpe_train.train_bpe): ids 0-255 are the bytes, merge k makes id 256 + k."""
+        token_bytes = [bytes([b]) for b in range(256)]
+        for left, right in merges:
+            if not (0 <= left < len(token_bytes) and 0 <= right < len(token_bytes)):
+                raise ValueError(f"merge ({left}, {right}) uses a token that does not exist yet")
+            token_bytes.append(token_bytes[left] + token_bytes[right])
+        return cls(token_bytes, [(left, right, 256 + k) for k, (left, right) in enumerate(merges)], pattern)
+
+    # --- facts ----------------------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return len(self._token_bytes)
+
+    @property
+    def unencodable_bytes(self) -> frozenset[int]:
+        """Byte values that have no single-byte token: encode drops them (see the module docstring)."""
+        return frozenset(b for b in range(256) if self._byte_ids[b] is None)
+
+    def id_to_bytes(self, token_id: int) -> bytes:
+        """The bytes of one token (may be part of a UTF-8 character: b'\\xf0\\x9f')."""
+        if not 0 <= token_id < len(self._token_bytes):
+            raise ValueError(f"token id {token_id} is out of range: the vocab has ids 0..{len(self._token_bytes) - 1}")
+        return self._token_bytes[token_id]
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer(vocab_size={self.vocab_size}, merges={len(self._ranks)}, "
+                f"special={len(self.special_ids)}, bos_id={self.bos_id}, eos_id={self.eos_id})")
+
+    # --- encode ---------------------------------------------------------------------------------------------
+    def encode(self, text: str, allow_special: bool = True) -> list[int]:
+        """Text -> token ids. No BOS is added.
+
+        allow_special=True: text of an added/special token ("<|im_end|>") becomes that token's id.
+        allow_special=False: it is encoded as plain text (use this for untrusted user input).
+        """
+        _check_text(text)
+        if not (allow_special and self._added_re):
+            return self._encode_ordinary(text)
+        ids: list[int] = []
+        # split() with a capture group alternates: ordinary text, special token, ordinary text, ...
+        for i, part in enumerate(self._added_re.split(text)):
+            if i % 2:
+                ids.append(self._added[part])
+            elif part:
+                ids += self._encode_ordinary(part)
+        return ids
+
+    def _encode_ordinary(self, text: str) -> list[int]:
+        """Pre-tokenize with the regex, BPE each word not seen before, then look every word up in the cache."""
+        cache = self._cache
+        words = self._words.findall(text)
+        new_words = set(words).difference(cache)
+        if len(cache) + len(new_words) > WORD_CACHE_LIMIT:
+            cache.clear()
+            new_words = set(words)
+        for word in new_words:
+            cache[word] = self._encode_word(word)
+        return list(chain.from_iterable(map(cache.__getitem__, words)))   # the hot loop, run in C
+
+    def _encode_word(self, word: str) -> tuple[int, ...]:
+        """One pre-tokenized word -> ids: its bytes as single-byte tokens, then BPE merges."""
+        data = word.encode("utf-8")
+        if self.ignore_merges and data in self._bytes_to_id:
+            return (self._bytes_to_id[data],)
+        byte_ids = self._byte_ids
+        ids = [byte_ids[b] for b in data if byte_ids[b] is not None]   # unencodable bytes are dropped here
+        return tuple(bpe(ids, self._ranks, self._merged))
+
+    # --- decode ---------------------------------------------------------------------------------------------
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        """Token ids -> text: concatenate the tokens' bytes, then decode them as UTF-8.
+
+        Repair rule: bytes that are not valid UTF-8 (a character cut off by a max-token limit, or ids a model
+        made up) become U+FFFD '�', one per maximal invalid sequence: Python's errors="replace", which gives the
+        same text as HF tokenizers (Rust's from_utf8_lossy). skip_special=True drops control tokens.
+        """
+        ids = [i for i in ids if i not in self.special_ids] if skip_special else ids
+        return b"".join(self.id_to_bytes(i) for i in ids).decode("utf-8", errors="replace")
+
+    def stream_decoder(self, skip_special: bool = False) -> "StreamDecoder":
+        """A decoder for ids that arrive one at a time (generation): see StreamDecoder."""
+        return StreamDecoder(self, skip_special)
+
+    # --- chat ------------------------------------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render a conversation as the prompt text the model was trained on (ChatML, written in Python).
+
+        Every message becomes "<|im_start|>{role}\\n{content}<|im_end|>\\n". If the first message is not a system
+        message, the template's default system message (if it has one) goes first. add_generation_prompt ends
+        the text with "<|im_start|>assistant\\n", so the model writes the answer next. Encode the result with
+        allow_special=True. Only the plain ChatML of SmolLM2-style templates is supported (no tools).
+        """
+        default_system = _chatml_default_system(self.chat_template)
+        out = []
+        for k, message in enumerate(messages):
+            if not (isinstance(message, Mapping) and isinstance(message.get("role"), str)
+                    and isinstance(message.get("content"), str)):
+                raise ValueError(f"message {k} must be a dict with str 'role' and 'content', got {message!r}")
+            if k == 0 and message["role"] != "system" and default_system is not None:
+                out.append(f"<|im_start|>system\n{default_system}<|im_end|>\n")
+            out.append(f"<|im_start|>{message['role']}\n{message['content']}<|im_end|>\n")
+        if add_generation_prompt:
+            out.append("<|im_start|>assistant\n")
+        return "".join(out)
+
+
+class StreamDecoder:
+    """Decodes ids one at a time, never emitting half a UTF-8 character.
+
+    One token can end inside a character: an emoji is 4 bytes and often spread over 2-3 tokens. Decoding each
+    token alone would print '�' garbage, so `feed` keeps the unfinished bytes at the end and emits them once the
+    character is complete. Joining every `feed` result and the final `flush` gives exactly `decode(ids)`;
+    invalid bytes become '�' as in `decode`, never an exception.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False):
+        self._tokenizer = tokenizer
+        self._skip = tokenizer.special_ids if skip_special else frozenset()
+        self._pending = b""   # bytes of a character that is not complete yet (0-3 bytes)
+
+    def feed(self, token_id: int) -> str:
+        """Add one token; return the text that is now complete (may be "")."""
+        if token_id in self._skip:
+            return ""
+        data = self._pending + self._tokenizer.id_to_bytes(token_id)
+        cut = len(data) - _unfinished_utf8_tail(data)
+        self._pending = data[cut:]
+        return data[:cut].decode("utf-8", errors="replace")
+
+    def flush(self) -> str:
+        """End of stream: return what is left (an unfinished character becomes '�')."""
+        text, self._pending = self._pending.decode("utf-8", errors="replace"), b""
+        return text
+
+
+def _unfinished_utf8_tail(data: bytes) -> int:
+    """How many bytes at the end of `data` begin a UTF-8 character whose remaining bytes have not arrived (0-3).
+
+    A character is a lead byte (0xxxxxxx: 1 byte, 110xxxxx: 2, 1110xxxx: 3, 11110xxx: 4) followed by
+    continuation bytes (10xxxxxx). Holding back from a lead byte is always safe: the UTF-8 decoder restarts at
+    any byte that is not a continuation byte, so the split cannot change how the text decodes.
+    """
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0b1100_0000 != 0b1000_0000:   # not a continuation byte: a character starts here
+            length = 2 if 0xC2 <= byte <= 0xDF else 3 if 0xE0 <= byte <= 0xEF else 4 if 0xF0 <= byte <= 0xF4 else 1
+            return back if back < length else 0
+    return 0   # only continuation bytes: invalid whatever comes next, so nothing to wait for
+
+
+# --- helpers -----------------------------------------------------------------------------------------------
+def _check_text(text: Any) -> None:
+    """ValueError with a one-line fix for input that is not (valid) text, instead of an error from deep inside."""
+    if isinstance(text, (bytes, bytearray, memoryview)):
+        raise ValueError("encode() takes str, not bytes: decode it first, e.g. data.decode('utf-8', errors='replace')")
+    if not isinstance(text, str):
+        raise ValueError(f"encode() takes str, not {type(text).__name__}")
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"text has a lone surrogate {text[e.start]!r} at index {e.start}, which has no UTF-8 form "
+                         f"(text decoded with errors='surrogateescape'?); repair it first, e.g. "
+                         f"text.encode('utf-8', 'replace').decode('utf-8')") from None
+
+
+def _merge_ids(merges: Iterable[Sequence[str]], vocab: Mapping[str, int]) -> list[tuple[int, int, int]]:
+    """Merges as token text pairs ("Ġ", "t") -> (left_id, right_id, merged_id), via the vocab (text -> id)."""
+    out = []
+    for rank, pair in enumerate(merges):
+        if len(pair) != 2:
+            raise ValueError(f"merge {rank} is {' '.join(pair)!r}: expected two tokens separated by one space")
+        left, right = pair
+        try:
+            out.append((vocab[left], vocab[right], vocab[left + right]))
+        except KeyError as e:
+            raise ValueError(f"merge {rank} ({left!r}, {right!r}) uses {e.args[0]!r}, which is not in the vocab") from None
+    return out
+
+
+def _pattern_from_hf_pre_tokenizer(pre: Mapping[str, Any] | None, path: Path) -> str:
+    """The one regex equivalent to an HF tokenizer.json pre_tokenizer; ValueError naming what is unsupported.
+
+    Supported: ByteLevel (GPT-2); Sequence[Digits(individual_digits), ByteLevel] (SmolLM2);
+    Sequence[Split(Llama 3 or Qwen2 regex, Isolated), ByteLevel(use_regex=False)] (Llama 3, Qwen2).
+    """
+    steps = list(pre.get("pretokenizers", [])) if pre and pre.get("type") == "Sequence" else [pre] if pre else []
+    if not steps or steps[-1].get("type") != "ByteLevel":
+        raise ValueError(f"{path}: pre_tokenizer {[s.get('type') for s in steps]} is not supported: the last step "
+                         f"must be ByteLevel")
+    byte_level, rest = steps[-1], steps[:-1]
+    if byte_level.get("add_prefix_space"):
+        raise ValueError(f"{path}: ByteLevel(add_prefix_space=True) is not supported")
+    use_regex = byte_level.get("use_regex", True)
+    kinds = [s.get("type") for s in rest]
+    if kinds == [] and use_regex:
+        return GPT2_PATTERN
+    if kinds == ["Digits"] and rest[0].get("individual_digits") and use_regex:
+        return SMOLLM_PATTERN
+    if kinds == ["Split"] and not use_regex:
+        split = rest[0]
+        pattern = (split.get("pattern") or {}).get("Regex")
+        known = {LLAMA3_PATTERN: "Llama 3", QWEN2_PATTERN: "Qwen2"}
+        if pattern in known and split.get("behavior") == "Isolated" and not split.get("invert"):
+            return pattern
+        raise ValueError(f"{path}: Split pre-tokenizer with pattern {pattern!r} (behavior "
+                         f"{split.get('behavior')}) is not supported; known patterns: Llama 3, Qwen2")
+    raise ValueError(f"{path}: pre_tokenizer {kinds + ['ByteLevel']} (use_regex={use_regex}) is not supported")
+
+
+def _chatml_default_system(template: str | None) -> str | None:
+    """The default system message of a ChatML template, or None; ValueError if the template is not ChatML."""
+    if template is None:
+        raise ValueError("this model has no chat template; build the prompt text yourself")
+    if "<|im_start|>" not in template:
+        raise ValueError("this model's chat template is not ChatML, the only format tinyllm renders")
+    # The default message is a string constant in the template: '<|im_start|>system\n...<|im_end|>' (with \n a
+    # newline or written as backslash-n). Quotes or braces inside mean template code, not a constant: skip those.
+    found = regex.search(r"<\|im_start\|>system(?:\n|\\n)([^'\"{}]*?)<\|im_end\|>", template)
+    return found.group(1) if found else None
