@@ -1,0 +1,80 @@
+#!/usr/bin/env python
+"""Generate text with tinyllm: streams the answer to stdout and a one-line summary of the run to stderr.
+
+    python scripts/generate.py --prompt "What is the capital of France?"
+    python scripts/generate.py --prompt "Once upon a time" --raw --temperature 0.8 --seed 1 --max-new-tokens 64
+    python scripts/generate.py --prompt "2+2=" --raw --json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import tinyllm  # noqa: E402
+from tinyllm.hub import FetchError  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--model", default=None, help="a .gguf file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling (temperature > 0)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object (ids, text, stats) instead of streaming")
+    p.add_argument("--threads", type=int, default=None, help="threads for BLAS and Numba (default: all cores)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        # validate sampling values before the (slower) model load, so a typo fails at once
+        tinyllm.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                               min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
+        if args.threads is not None:
+            tinyllm.set_threads(args.threads)
+        t0 = time.perf_counter()
+        model = tinyllm.load(args.model)
+        load_s = time.perf_counter() - t0
+        chat = not args.raw and model.tokenizer.chat_template is not None
+        kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                      top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                      seed=args.seed, stop=args.stop, chat=chat)
+        if args.json:
+            res = tinyllm.generate(model, args.prompt, **kwargs)
+        else:
+            s = tinyllm.stream(model, args.prompt, **kwargs)
+            for piece in s:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            res = s.result
+    except (ValueError, FetchError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    if args.json:
+        print(json.dumps({"prompt_ids": res.prompt_ids, "token_ids": res.token_ids, "text": res.text,
+                          "finish_reason": res.finish_reason, "load_s": load_s, "stats": res.stats.as_dict()}))
+    else:
+        print(f"[{res.finish_reason}] load {load_s:.1f} s | {res.stats.summary()}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

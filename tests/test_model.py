@@ -1,0 +1,151 @@
+"""Model invariants on tiny random models: every path through the forward pass gives the same logits."""
+import numpy as np
+import pytest
+
+import tinyllm
+from tinyllm import ops
+from tinyllm.config import ModelConfig
+from tinyllm.kv_cache import CacheFullError
+from tinyllm.model import Transformer
+from tinyllm.weights import expected_shapes, unpermute_rope_rows
+
+from tiny_gguf import tiny_llama
+
+
+def random_model(arch: str, seed: int = 0, **overrides) -> Transformer:
+    """A random model built straight from canonical weight names (no tokenizer)."""
+    kw = dict(arch=arch, vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2 if arch == "llama" else 4,
+              ffn_dim=48, context_length=64, attn_bias=arch == "gpt2")
+    kw.update(overrides)
+    config = ModelConfig(**kw)
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for name, shape in expected_shapes(config).items():
+        is_norm = name.endswith(("norm",))
+        weights[name] = (1 + rng.normal(0, 0.1, shape) if is_norm else rng.normal(0, 0.3, shape)).astype(np.float32)
+    return Transformer(config, weights)
+
+
+@pytest.fixture(params=["llama", "gpt2"])
+def model(request):
+    return random_model(request.param)
+
+
+def test_prefill_then_decode_matches_no_cache_forward(model):
+    ids = np.random.default_rng(1).integers(0, 50, 20)
+    full = model.logits(ids)                                        # [T, V]
+    cache = model.new_cache(32)
+    last = model.prefill(ids[:7], cache)
+    np.testing.assert_allclose(last, full[6], atol=1e-5)
+    for t in range(7, 20):                                          # every later position, one token at a time
+        np.testing.assert_allclose(model.decode_step(int(ids[t]), cache), full[t], atol=1e-5)
+    assert cache.length == 20
+
+
+def test_chunked_prefill_matches_one_prefill(model):
+    ids = np.random.default_rng(2).integers(0, 50, 24)
+    c1, c2 = model.new_cache(24), model.new_cache(24)
+    one = model.prefill(ids, c1)
+    model.prefill(ids[:10], c2)
+    two = model.prefill(ids[10:], c2)
+    np.testing.assert_allclose(one, two, atol=1e-5)
+    np.testing.assert_allclose(c1.k, c2.k, atol=2e-5)
+
+
+def test_decode_at_cache_length_s_equals_recompute(model):
+    """Decoding at a long cache (S = 40) gives what a fresh no-cache pass over all 41 tokens gives."""
+    ids = np.random.default_rng(3).integers(0, 50, 41)
+    cache = model.new_cache(64)
+    model.prefill(ids[:40], cache)
+    np.testing.assert_allclose(model.decode_step(int(ids[40]), cache), model.logits(ids)[-1], atol=1e-5)
+
+
+def test_truncate_rolls_back(model):
+    ids = np.random.default_rng(4).integers(0, 50, 12)
+    cache = model.new_cache(16)
+    model.prefill(ids[:8], cache)
+    want = model.decode_step(int(ids[8]), cache)
+    model.decode_step(int(ids[9]), cache)                            # a token we then take back
+    cache.truncate(8)
+    np.testing.assert_allclose(model.decode_step(int(ids[8]), cache), want, atol=1e-6)
+
+
+def test_causal_future_tokens_do_not_change_the_past(model):
+    ids = np.random.default_rng(5).integers(0, 50, 10)
+    other = ids.copy()
+    other[6:] = (other[6:] + 1) % 50
+    np.testing.assert_allclose(model.logits(ids)[:6], model.logits(other)[:6], atol=1e-6)
+
+
+def test_gqa_equals_attention_with_repeated_kv_heads():
+    """Query head h must read KV head h // G: compare with plain multi-head attention on repeated K/V."""
+    rng = np.random.default_rng(6)
+    T, H, KVH, Dh = 5, 6, 2, 8
+    q = rng.normal(size=(T, H, Dh)).astype(np.float32)
+    k = rng.normal(size=(T, KVH, Dh)).astype(np.float32)
+    v = rng.normal(size=(T, KVH, Dh)).astype(np.float32)
+    got = ops.attention(q, k, v, start=0).reshape(T, H, Dh)
+    k_rep, v_rep = np.repeat(k, H // KVH, axis=1), np.repeat(v, H // KVH, axis=1)   # [T, H, Dh]
+    for h in range(H):                                              # one head at a time, written out
+        scores = q[:, h] @ k_rep[:, h].T / np.sqrt(Dh)              # [T, T]
+        scores[np.triu_indices(T, 1)] = -np.inf
+        np.testing.assert_allclose(got[:, h], ops.softmax(scores) @ v_rep[:, h], atol=1e-5)
+
+
+def test_rope_preserves_norm_and_is_identity_at_position_zero():
+    cos, sin = ops.rope_tables(8, 16, 10000.0)
+    x = np.random.default_rng(7).normal(size=(16, 3, 8)).astype(np.float32)
+    y = ops.apply_rope(x, cos, sin)
+    np.testing.assert_allclose(np.linalg.norm(y, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5)
+    np.testing.assert_array_equal(y[0], x[0])
+    assert not np.allclose(y[1:], x[1:])
+
+
+def test_unpermute_inverts_the_gguf_converter_permutation():
+    """llama.cpp's converter does w.reshape(nh, 2, Dh/2, D).swapaxes(1, 2): our unpermute must undo it."""
+    nh, dh, d = 3, 8, 5
+    w = np.arange(nh * dh * d, dtype=np.float32).reshape(nh * dh, d)
+    permuted = w.reshape(nh, 2, dh // 2, d).swapaxes(1, 2).reshape(nh * dh, d)
+    np.testing.assert_array_equal(unpermute_rope_rows(permuted, nh), w)
+
+
+def test_context_and_id_errors(model):
+    with pytest.raises(ValueError, match="exceeds the model's context length 64"):
+        model.logits(np.zeros(65, dtype=np.int64))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        model.logits([1, 50])
+    with pytest.raises(ValueError, match="non-empty"):
+        model.logits([])
+    cache = model.new_cache(4)
+    with pytest.raises(CacheFullError, match="KV cache full"):
+        model.prefill([1, 2, 3, 4, 5], cache)
+    assert cache.length == 0                                        # nothing was written on failure
+
+
+def test_kv_cache_sizes():
+    c = ModelConfig(arch="llama", vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_dim=1536,
+                    context_length=8192)
+    assert c.kv_bytes_per_token() == 2 * 30 * 3 * 64 * 4 == 46080
+    assert c.n_params == 134_515_008
+    m = random_model("llama")
+    cache = m.new_cache(10)
+    assert cache.bytes_per_token == m.config.kv_bytes_per_token() and cache.nbytes == 10 * cache.bytes_per_token
+
+
+def test_tiny_gguf_loads_and_runs(tmp_path):
+    p = tmp_path / "tiny.gguf"
+    tiny_llama(p)
+    m = tinyllm.load(p)
+    ids = m.tokenizer.encode("hello")
+    assert ids[0] == m.tokenizer.encode("hell")[0]                  # the merges made "hell" one token
+    assert m.logits(ids).shape == (len(ids), m.config.vocab_size)
+
+
+@pytest.mark.slow
+def test_default_model_cache_paths_match_forward(default_model):
+    ids = default_model.tokenizer.encode("The cache must give the same answer as recomputing everything. " * 3)
+    full = default_model.logits(ids)
+    cache = default_model.new_cache(len(ids))
+    np.testing.assert_allclose(default_model.prefill(ids[:20], cache), full[19], atol=2e-4)
+    for t in range(20, len(ids)):
+        np.testing.assert_allclose(default_model.decode_step(ids[t], cache), full[t], atol=2e-4)

@@ -1,0 +1,106 @@
+"""A minimal GGUF writer for tests: builds small llama-shaped files (random weights) to load and to break."""
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+TYPE_IDS = {"F32": 0, "F16": 1, "Q4_K": 12}
+_VALUE_TYPES = {int: 4, float: 6, bool: 7, str: 8}  # u32, f32, bool, string
+
+
+def _string(s: str) -> bytes:
+    b = s.encode("utf-8")
+    return struct.pack("<Q", len(b)) + b
+
+
+def _value(v) -> bytes:
+    if isinstance(v, bool):
+        return struct.pack("<I?", 7, v)
+    if isinstance(v, int):
+        return struct.pack("<II", 4, v)
+    if isinstance(v, float):
+        return struct.pack("<If", 6, v)
+    if isinstance(v, str):
+        return struct.pack("<I", 8) + _string(v)
+    if isinstance(v, list):
+        if v and isinstance(v[0], str):
+            return struct.pack("<IIQ", 9, 8, len(v)) + b"".join(_string(s) for s in v)
+        return struct.pack("<IIQ", 9, 5, len(v)) + struct.pack(f"<{len(v)}i", *v)
+    raise TypeError(type(v))
+
+
+def write_gguf(path, metadata: dict, tensors: dict[str, np.ndarray], types: dict[str, str] | None = None,
+               alignment: int = 32) -> None:
+    """tensors: name -> numpy array (numpy shape; written in ggml order). types: name -> 'F32' | 'F16' | 'Q4_K'
+    ('Q4_K' writes garbage bytes of the right size: only its type id matters to the reader's error)."""
+    types = types or {}
+    header = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(metadata))
+    header += b"".join(_string(k) + _value(v) for k, v in metadata.items())
+    blobs, offset = [], 0
+    for name, arr in tensors.items():
+        t = types.get(name, "F32")
+        if t == "F32":
+            blob = arr.astype(np.float32).tobytes()
+        elif t == "F16":
+            blob = arr.astype(np.float16).tobytes()
+        else:
+            blob = bytes(arr.size // 256 * 144)
+        dims = list(reversed(arr.shape))
+        header += _string(name) + struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, TYPE_IDS[t], offset)
+        pad = -len(blob) % alignment
+        blobs.append(blob + bytes(pad))
+        offset += len(blob) + pad
+    header += bytes(-len(header) % alignment)
+    with open(path, "wb") as f:
+        f.write(header + b"".join(blobs))
+
+
+def tiny_llama(path, *, n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn=48, drop=None, shapes=None,
+               types=None, seed=0) -> dict[str, np.ndarray]:
+    """Write a tiny random llama GGUF with a byte-level tokenizer; returns the tensors written.
+    drop: tensor name to leave out; shapes: name -> wrong shape to write instead."""
+    rng = np.random.default_rng(seed)
+    # GPT-2 byte-to-unicode table, so tokens are the printable strings byte-level BPE uses
+    bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    byte_tok = {b: chr(c) for b, c in zip(bs, cs)}
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + [byte_tok[b] for b in range(256)]
+    merges = ["h e", "l l", "he ll"]
+    tokens += ["he", "ll", "hell"]
+    V = len(tokens)
+    hd = dim // n_heads
+    md = {
+        "general.architecture": "llama", "general.name": "tiny-test",
+        "llama.block_count": n_layers, "llama.context_length": 64, "llama.embedding_length": dim,
+        "llama.feed_forward_length": ffn, "llama.attention.head_count": n_heads,
+        "llama.attention.head_count_kv": n_kv_heads, "llama.rope.freq_base": 10000.0,
+        "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.vocab_size": V,
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "smollm", "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [3, 3, 3] + [1] * (V - 3), "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+    }
+    t = {"token_embd.weight": rng.normal(0, 0.5, (V, dim)), "output_norm.weight": 1 + rng.normal(0, 0.1, dim)}
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        t.update({
+            p + "attn_norm.weight": 1 + rng.normal(0, 0.1, dim), p + "ffn_norm.weight": 1 + rng.normal(0, 0.1, dim),
+            p + "attn_q.weight": rng.normal(0, 0.3, (n_heads * hd, dim)),
+            p + "attn_k.weight": rng.normal(0, 0.3, (n_kv_heads * hd, dim)),
+            p + "attn_v.weight": rng.normal(0, 0.3, (n_kv_heads * hd, dim)),
+            p + "attn_output.weight": rng.normal(0, 0.3, (dim, n_heads * hd)),
+            p + "ffn_gate.weight": rng.normal(0, 0.3, (ffn, dim)), p + "ffn_up.weight": rng.normal(0, 0.3, (ffn, dim)),
+            p + "ffn_down.weight": rng.normal(0, 0.3, (dim, ffn)),
+        })
+    t = {k: v.astype(np.float32) for k, v in t.items()}
+    for name, shape in (shapes or {}).items():
+        t[name] = rng.normal(0, 0.3, shape).astype(np.float32)
+    if drop:
+        del t[drop]
+    write_gguf(path, md, t, types)
+    return t
