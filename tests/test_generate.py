@@ -1,0 +1,92 @@
+"""The generation loop: stop conditions, streaming, stats, and errors (tiny model), plus the real model."""
+import numpy as np
+import pytest
+
+import tinyllm
+from tinyllm.generate import _held_back
+
+from tiny_gguf import tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    p = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
+    tiny_llama(p)
+    return tinyllm.load(p)
+
+
+def test_greedy_matches_argmax_of_full_forward(tiny):
+    res = tinyllm.generate(tiny, "hello", max_new_tokens=6)
+    ids = list(res.prompt_ids)
+    for tok in res.token_ids:                         # each token is the argmax given everything before it
+        assert tok == int(np.argmax(tiny.logits(ids)[-1]))
+        ids.append(tok)
+
+
+def test_stream_pieces_concatenate_to_text(tiny):
+    s = tinyllm.stream(tiny, "hello", max_new_tokens=12, temperature=1.0, seed=3)
+    pieces = list(s)
+    assert "".join(pieces) == s.result.text
+    assert s.result.text == tiny.tokenizer.decode(s.result.token_ids)
+
+
+def test_max_new_tokens_and_stats(tiny):
+    res = tinyllm.generate(tiny, "hello", max_new_tokens=5, temperature=1.0, seed=0)
+    st = res.stats
+    if res.finish_reason == "length":
+        assert len(res.token_ids) == 5 and len(st.itl_s) == 4
+    assert st.prompt_tokens == len(res.prompt_ids) and st.generated_tokens == len(res.token_ids)
+    assert st.ttft_s >= st.prefill_s > 0 and st.prefill_tokens_per_s > 0
+    assert st.kv_bytes_per_token == tiny.config.kv_bytes_per_token()
+
+
+def test_seed_reproduces_and_differs(tiny):
+    a = tinyllm.generate(tiny, "hello", max_new_tokens=10, temperature=1.5, seed=1).token_ids
+    b = tinyllm.generate(tiny, "hello", max_new_tokens=10, temperature=1.5, seed=1).token_ids
+    c = tinyllm.generate(tiny, "hello", max_new_tokens=10, temperature=1.5, seed=2).token_ids
+    assert a == b and a != c
+
+
+def test_context_end_stops_generation(tiny):
+    prompt = list(range(3, 3 + 60))                  # 60 of the tiny model's 64 positions
+    res = tinyllm.generate(tiny, prompt, max_new_tokens=50, temperature=1.0, seed=0)
+    assert res.finish_reason in ("context", "eos")
+    if res.finish_reason == "context":
+        assert len(prompt) + len(res.token_ids) == 64 + 1   # the last sampled token needs no cache slot
+
+
+def test_prompt_errors(tiny):
+    with pytest.raises(ValueError, match="prompt has 64 tokens but the model's context is 64"):
+        tinyllm.generate(tiny, list(range(3, 67)), max_new_tokens=1)
+    with pytest.raises(ValueError, match="empty"):
+        tinyllm.generate(tiny, "", max_new_tokens=1)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        tinyllm.generate(tiny, "hello", max_new_tokens=0)
+    with pytest.raises(ValueError, match="invalid top_p"):
+        tinyllm.generate(tiny, "hello", top_p=2.0)
+    with pytest.raises(ValueError, match="UTF-8"):
+        tinyllm.generate(tiny, "bad \udcff bytes", max_new_tokens=1)
+
+
+def test_held_back_suffix():
+    assert _held_back("the end is ne", ["near"]) == 2
+    assert _held_back("abc", ["xyz"]) == 0
+    assert _held_back("a <|im", ["<|im_end|>", "|"]) == 4   # "<|im" could still become "<|im_end|>"
+
+
+@pytest.mark.slow
+def test_default_model_answers_and_stops_at_eos(default_model):
+    res = tinyllm.generate(default_model, "What is the capital of France?", chat=True, max_new_tokens=40)
+    assert "Paris" in res.text and res.finish_reason == "eos"
+    assert len(res.stats.itl_s) == len(res.token_ids)            # one ITL per token after the first, incl. eos
+
+
+@pytest.mark.slow
+def test_default_model_stop_string_is_cut_and_never_streamed(default_model):
+    full = tinyllm.generate(default_model, "List three colors:", chat=True, max_new_tokens=30).text
+    stop = full.split()[3]                                       # a word that really appears mid-answer
+    s = tinyllm.stream(default_model, "List three colors:", chat=True, max_new_tokens=30, stop=[stop])
+    streamed = "".join(s)
+    assert s.result.finish_reason == "stop_string"
+    assert streamed == s.result.text == full[:full.index(stop)]
+    assert stop not in streamed
