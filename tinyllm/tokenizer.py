@@ -298,6 +298,10 @@ class Tokenizer:
         """Byte values that have no single-byte token: encode drops them (see the module docstring)."""
         return frozenset(b for b in range(256) if self._byte_ids[b] is None)
 
+    def clear_cache(self) -> None:
+        """Forget the per-word BPE results (for cold-start benchmarks; results never change)."""
+        self._cache.clear()
+
     def id_to_bytes(self, token_id: int) -> bytes:
         """The bytes of one token (may be part of a UTF-8 character: b'\\xf0\\x9f')."""
         if not 0 <= token_id < len(self._token_bytes):
@@ -457,7 +461,8 @@ def _merge_ids(merges: Iterable[Sequence[str]], vocab: Mapping[str, int]) -> lis
         try:
             out.append((vocab[left], vocab[right], vocab[left + right]))
         except KeyError as e:
-            raise ValueError(f"merge {rank} ({left!r}, {right!r}) uses {e.args[0]!r}, which is not in the vocab") from None
+            raise ValueError(f"merge {rank} ({left!r}, {right!r}) uses {e.args[0]!r}, "
+                             f"which is not in the vocab") from None
     return out
 
 
