@@ -346,6 +346,9 @@ class Tokenizer:
     def _encode_word(self, word: str) -> tuple[int, ...]:
         """One pre-tokenized word -> ids: its bytes as single-byte tokens, then BPE merges."""
         data = word.encode("utf-8")
+        # Taking a word that is itself a token as one token is only right when merges are ignored (Llama 3):
+        # otherwise the merges decide, and nothing guarantees they rebuild every vocab entry (SmolLM2's do, all
+        # 49,135 of them). The word cache already makes repeated words free, so no shortcut is needed.
         if self.ignore_merges and data in self._bytes_to_id:
             return (self._bytes_to_id[data],)
         byte_ids = self._byte_ids
