@@ -34,6 +34,7 @@ CORPUS = [
     ("contractions_upper", "I'LL YOU'RE HE'S WE'VE I'M THEY'D DON'T"),
     ("contraction_edges", "'s 's' ''ll x'LL rock'n'roll"),
     ("numbers", "0 1 12 123 1234 12345 123456 1234567 12345678901234567890 3.14159 -42 1e-9 1,000,000"),
+    ("digit_split_trap", "a  2"),
     ("number_spacing", "a  2 b   33 c\t4 d\n5 x2y 2x y2"),
     ("arabic_indic_digits", "٠١٢٣٤٥٦٧٨٩ ۱۲۳ رقم ٤٢"),
     ("devanagari_digits", "०१२३४५६७८९ संख्या ४२"),
@@ -468,3 +469,20 @@ def test_unsupported_tokenizer_json_raises(tmp_path, pre_tokenizer, message):
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
     with pytest.raises(ValueError, match=message):
         Tokenizer.from_tokenizer_json(tmp_path / "tokenizer.json")
+
+
+@pytest.mark.parametrize("unk_token", [None, "<unk>"])
+def test_tokenizer_json_with_a_missing_byte(tmp_path, unk_token):
+    """Without unk_token the missing byte is dropped (listed in unencodable_bytes); with one, HF would emit unk."""
+    alphabet = byte_level_alphabet()
+    vocab = {c: i for i, c in enumerate(alphabet[1:])} | {"<unk>": 255}   # no token for byte 0x00
+    spec = {"pre_tokenizer": {"type": "ByteLevel"}, "decoder": {"type": "ByteLevel"},
+            "added_tokens": [{"id": 255, "content": "<unk>", "special": True}],
+            "model": {"type": "BPE", "vocab": vocab, "merges": [], "unk_token": unk_token}}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    if unk_token:
+        with pytest.raises(ValueError, match="unk_token"):
+            Tokenizer.from_tokenizer_json(tmp_path / "tokenizer.json")
+    else:
+        tok = Tokenizer.from_tokenizer_json(tmp_path / "tokenizer.json")
+        assert tok.unencodable_bytes == {0} and tok.encode("a\x00b") == [96, 97]

@@ -240,9 +240,8 @@ class Tokenizer:
         model = spec.get("model") or {}
         if model.get("type") != "BPE":
             raise ValueError(f"{path}: model type {model.get('type')!r} is not supported (only BPE)")
-        for key in ("normalizer",):
-            if spec.get(key):
-                raise ValueError(f"{path}: a {key} ({spec[key].get('type')}) is not supported")
+        if spec.get("normalizer"):
+            raise ValueError(f"{path}: a normalizer ({spec['normalizer'].get('type')}) is not supported")
         for key in ("byte_fallback", "dropout", "continuing_subword_prefix", "end_of_word_suffix"):
             if model.get(key):
                 raise ValueError(f"{path}: BPE option {key}={model[key]!r} is not supported")
@@ -274,9 +273,12 @@ class Tokenizer:
         template = config.get("chat_template")
         if isinstance(template, list):   # several named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        return cls(token_bytes, merges, pattern, added_tokens=added, special_ids=special,
-                   bos_id=token_id("bos_token"), eos_id=token_id("eos_token"), chat_template=template,
-                   ignore_merges=bool(model.get("ignore_merges", False)))
+        tokenizer = cls(token_bytes, merges, pattern, added_tokens=added, special_ids=special,
+                        bos_id=token_id("bos_token"), eos_id=token_id("eos_token"), chat_template=template,
+                        ignore_merges=bool(model.get("ignore_merges", False)))
+        if model.get("unk_token") and tokenizer.unencodable_bytes:   # HF would emit unk where tinyllm drops
+            raise ValueError(f"{path}: an unk_token with bytes that have no token is not supported")
+        return tokenizer
 
     @classmethod
     def from_merges(cls, merges: Sequence[tuple[int, int]], pattern: str = GPT2_PATTERN) -> "Tokenizer":
