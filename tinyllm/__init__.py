@@ -21,18 +21,22 @@ from .threads import set_threads
 __all__ = ["load", "generate", "stream", "set_threads", "Transformer", "ModelConfig", "SamplingParams",
            "GenerationResult", "GenerationStats"]
 
-QUANT_FORMATS = (None, "fp32")
 
 
-def load(path: str | Path | None = None, quant: str | None = None) -> Transformer:
+def load(path: str | Path | None = None, quant: str | None = None, backend: str = "numba") -> Transformer:
     """Load a model: a .gguf file, a Hugging Face directory, or (path=None) the default model.
 
-    quant: None / "fp32" keeps float32 weights (dequantized from the file's storage type).
+    quant: None / "fp32" keeps float32 weights (dequantized from the file's storage type); "int8" (one scale
+    per row), "int8-block" (one scale per 32 values), "q4_1" (4-bit, scale and minimum per 32 values)
+    quantize the matrices at load; "native" keeps the file's own Q4_1 / Q8_0 blocks as they are.
+    backend: "numba" (fast kernels) or "numpy" (plain, steppable reference).
     """
     from . import hub
-    from .weights import load_checkpoint
+    from .weights import QUANT_CHOICES, load_checkpoint
 
-    if quant not in QUANT_FORMATS:
-        raise ValueError(f"unknown quant {quant!r}; choose one of: {', '.join(str(q) for q in QUANT_FORMATS)}")
-    config, weights, tokenizer = load_checkpoint(hub.ensure_default_model() if path is None else path)
-    return Transformer(config, weights, tokenizer)
+    if quant not in QUANT_CHOICES:
+        raise ValueError(f"unknown quant {quant!r}; choose one of: {', '.join(q for q in QUANT_CHOICES if q)}")
+    if backend not in ("numba", "numpy"):
+        raise ValueError(f"unknown backend {backend!r}; choose one of: numba, numpy")
+    config, weights, tokenizer, report = load_checkpoint(hub.ensure_default_model() if path is None else path, quant)
+    return Transformer(config, weights, tokenizer, backend=backend, quant=quant, quant_report=report)

@@ -17,6 +17,20 @@ import numpy as np
 from . import ops
 from .config import ModelConfig
 from .kv_cache import ContiguousKVCache
+from .quant import QuantizedWeight
+
+BACKENDS = ("numba", "numpy")
+
+
+def fuse_rows(parts):
+    """Stack [O_i, I] matrices into one [sum O_i, I] (float arrays or quantized weights of one type)."""
+    if parts[0] is None:
+        return None
+    if isinstance(parts[0], QuantizedWeight):
+        if len({type(p) for p in parts}) > 1:
+            raise ValueError(f"cannot fuse weights of mixed formats {[type(p).__name__ for p in parts]}")
+        return type(parts[0]).concat_rows(parts)
+    return np.concatenate(parts)
 
 
 @dataclass
@@ -38,11 +52,20 @@ class LayerWeights:
 
 
 class Transformer:
-    """A loaded model: config, weights, tokenizer, and the forward pass. Build it with `tinyllm.load`."""
+    """A loaded model: config, weights, tokenizer, and the forward pass. Build it with `tinyllm.load`.
 
-    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], tokenizer=None):
+    backend="numba" (default) runs the matrix-vector products and decode attention in the Numba kernels of
+    kernels.py; backend="numpy" runs everything in the plain numpy of ops.py, to read or step through.
+    Both give the same tokens (tests/test_kernels.py).
+    """
+
+    def __init__(self, config: ModelConfig, weights: dict, tokenizer=None, backend: str = "numba",
+                 quant: str | None = None, quant_report: list | None = None):
         self.config = config
         self.tokenizer = tokenizer
+        self.quant = quant or "fp32"
+        self.quant_report = quant_report or []
+        self.backend = backend              # validated by the property setter below
         c = config
         self.tok_embed = weights["tok_embed"]                      # [V, D]
         self.lm_head = weights.get("lm_head", self.tok_embed)      # [V, D]; the same array when tied
@@ -52,7 +75,7 @@ class Transformer:
         self.layers = []
         for i in range(c.n_layers):
             w = lambda name: weights.get(f"layers.{i}.{name}")     # noqa: E731
-            fuse = lambda *names: (np.concatenate([w(n) for n in names]) if w(names[0]) is not None else None)  # noqa: E731,E501
+            fuse = lambda *names: fuse_rows([w(n) for n in names])  # noqa: E731
             self.layers.append(LayerWeights(
                 attn_norm=w("attn_norm"), attn_norm_b=w("attn_norm_b"),
                 wqkv=fuse("wq", "wk", "wv"), bqkv=fuse("bq", "bk", "bv"),
@@ -63,6 +86,22 @@ class Transformer:
             ))
         if c.arch == "llama":  # one table of rotation angles for every position the model supports
             self.rope_cos, self.rope_sin = ops.rope_tables(c.head_dim, c.context_length, c.rope_theta)
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @backend.setter
+    def backend(self, name: str) -> None:
+        if name not in BACKENDS:
+            raise ValueError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
+        if name == "numba":
+            from . import kernels
+            self._linear = kernels.linear
+            self._decode_attention = kernels.attention_one_token
+        else:
+            self._linear, self._decode_attention = ops.linear, None
+        self._backend = name
 
     # --- the three public ways in ----------------------------------------------------------------------------
     def logits(self, ids) -> np.ndarray:
@@ -100,7 +139,7 @@ class Transformer:
         if cache is not None:
             cache.check_room(T)
 
-        x = self.tok_embed[ids]                                     # [T, D]
+        x = self._embed(ids)                                        # [T, D]
         if self.pos_embed is not None:                              # gpt2: learned absolute positions
             x = x + self.pos_embed[start:start + T]
         for i, layer in enumerate(self.layers):
@@ -110,7 +149,7 @@ class Transformer:
         if last_only:
             x = x[-1:]                                              # [1, D]
         x = self._norm(x, self.final_norm, self.final_norm_b)
-        return ops.linear(x, self.lm_head)                          # [T, V]
+        return self._linear(x, self.lm_head)                        # [T, V]
 
     def _block(self, x, layer: LayerWeights, i: int, start: int, cache) -> np.ndarray:
         """One transformer block: x + attention(norm(x)), then x + mlp(norm(x)). x: [T, D] -> [T, D]"""
@@ -119,7 +158,7 @@ class Transformer:
 
         # attention
         h = self._norm(x, layer.attn_norm, layer.attn_norm_b)      # [T, D]
-        qkv = ops.linear(h, layer.wqkv, layer.bqkv)                 # [T, (H + 2*KVH) * Dh]
+        qkv = self._linear(h, layer.wqkv, layer.bqkv)               # [T, (H + 2*KVH) * Dh]
         q = qkv[:, :H * Dh].reshape(T, H, Dh)                       # [T, H, Dh]
         k = qkv[:, H * Dh:(H + KVH) * Dh].reshape(T, KVH, Dh)      # [T, KVH, Dh]
         v = qkv[:, (H + KVH) * Dh:].reshape(T, KVH, Dh)            # [T, KVH, Dh]
@@ -128,17 +167,26 @@ class Transformer:
             q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
         if cache is not None:                                       # store, then attend over the full history
             k, v = cache.update(i, start, k, v)                     # [S, KVH, Dh], S = start + T
-        att = ops.attention(q, k, v, start)                         # [T, H*Dh]
-        x = x + ops.linear(att, layer.wo, layer.bo)                 # [T, D]
+        if T == 1 and self._decode_attention is not None:           # decode: one query against the cache
+            att = self._decode_attention(q[0], k, v)                # [1, H*Dh]
+        else:
+            att = ops.attention(q, k, v, start)                     # [T, H*Dh]
+        x = x + self._linear(att, layer.wo, layer.bo)               # [T, D]
 
         # feed-forward
         h = self._norm(x, layer.ffn_norm, layer.ffn_norm_b)        # [T, D]
         if c.arch == "llama":                                       # SwiGLU: silu(gate) * up
-            gate_up = ops.linear(h, layer.w_in)                     # [T, 2F]
+            gate_up = self._linear(h, layer.w_in)                   # [T, 2F]
             h = ops.silu(gate_up[:, :c.ffn_dim]) * gate_up[:, c.ffn_dim:]   # [T, F]
         else:
-            h = ops.gelu_tanh(ops.linear(h, layer.w_in, layer.b_in))       # [T, F]
-        return x + ops.linear(h, layer.w_out, layer.b_out)         # [T, D]
+            h = ops.gelu_tanh(self._linear(h, layer.w_in, layer.b_in))     # [T, F]
+        return x + self._linear(h, layer.w_out, layer.b_out)       # [T, D]
+
+    def _embed(self, ids: np.ndarray) -> np.ndarray:
+        """Rows of the embedding table for `ids` (dequantized row by row if the table is quantized). -> [T, D]"""
+        if isinstance(self.tok_embed, QuantizedWeight):
+            return self.tok_embed.dequantize(ids)
+        return self.tok_embed[ids]
 
     def _norm(self, x, weight, bias):
         if self.config.arch == "llama":
@@ -169,7 +217,12 @@ class Transformer:
                 total += a.nbytes
         return total
 
+    @property
+    def tied_head(self) -> bool:
+        return self.lm_head is self.tok_embed
+
     def __repr__(self) -> str:
         c = self.config
         return (f"Transformer({c.name or c.arch}: {c.n_layers} layers, D={c.dim}, H={c.n_heads}, KVH={c.n_kv_heads}, "
-                f"V={c.vocab_size}, {c.n_params / 1e6:.1f}M params, {self.weight_bytes / 2**20:.0f} MiB)")
+                f"V={c.vocab_size}, {c.n_params / 1e6:.1f}M params, {self.quant} weights {self.weight_bytes / 2**20:.0f} "
+                f"MiB, backend={self.backend})")

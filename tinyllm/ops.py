@@ -9,8 +9,14 @@ from __future__ import annotations
 import numpy as np
 
 
-def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
-    """y = x W^T (+ b). `w` is [out, in] (PyTorch's layout), so each output is one row of w dotted with x."""
+def linear(x: np.ndarray, w, b: np.ndarray | None = None) -> np.ndarray:
+    """y = x W^T (+ b). `w` is [out, in] (PyTorch's layout), so each output is one row of w dotted with x.
+
+    A quantized weight (quant.py) is dequantized to float32 first: the readable reference, not the fast path
+    (kernels.linear reads the quantized bytes directly).
+    """
+    if not isinstance(w, np.ndarray):
+        w = w.dequantize()                              # [out, in] float32
     y = x @ w.T                                         # [T, in] @ [in, out] -> [T, out]
     return y if b is None else y + b
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .gguf import GGUFError, GGUFFile
+from .quant import FORMATS, QuantizedWeight, from_gguf_block, quantization_error, quantize
 from .tokenizer import Tokenizer
 
 
@@ -32,15 +33,56 @@ class CheckpointError(ValueError):
     """A checkpoint is missing, malformed, or describes a model tinyllm does not run."""
 
 
-def load_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer]:
+QUANT_CHOICES = (None, "fp32", "native") + FORMATS
+# the matrices quantization applies to (norms, biases and learned positions stay float32)
+MATRIX_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "w_fc", "w_proj", "tok_embed", "lm_head")
+
+
+def load_checkpoint(path: str | Path, quant: str | None = None):
+    """-> (config, weights, tokenizer, quant_report). quant: None/"fp32", "int8", "int8-block", "q4_1", or
+    "native" (keep each GGUF tensor in the format the file stores it, where tinyllm has that format)."""
+    if quant not in QUANT_CHOICES:
+        raise ValueError(f"unknown quant {quant!r}; choose one of: fp32, native, {', '.join(FORMATS)}")
     path = Path(path)
     if path.is_dir():
-        return load_hf_dir(path)
-    if not path.exists():
+        if quant == "native":
+            raise CheckpointError(f"{path}: quant='native' needs a GGUF file (safetensors hold float weights)")
+        config, weights, tokenizer = load_hf_dir(path)
+    elif not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
-    if path.suffix == ".gguf" or _magic(path) == b"GGUF":
-        return load_gguf(path)
-    raise CheckpointError(f"{path}: not a .gguf file or a Hugging Face model directory")
+    elif path.suffix == ".gguf" or _magic(path) == b"GGUF":
+        config, weights, tokenizer = load_gguf(path, quant)
+    else:
+        raise CheckpointError(f"{path}: not a .gguf file or a Hugging Face model directory")
+    weights, report = quantize_weights(weights, quant)
+    return config, weights, tokenizer, report
+
+
+def _is_matrix(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in MATRIX_NAMES
+
+
+def quantize_weights(weights: dict, quant: str | None) -> tuple[dict, list[dict]]:
+    """Quantize every float matrix to `quant` (leaving ones already quantized natively); report the error of each.
+
+    A tied output head is the embedding table itself, so it is quantized once and stays shared.
+    """
+    report = []
+    for name, w in weights.items():
+        if isinstance(w, QuantizedWeight):
+            report.append(dict(name=name, format=type(w).__name__ + " (native)", shape=w.shape, bytes=w.nbytes,
+                               max_err=0.0, rms_err=0.0))
+    if quant in (None, "fp32", "native"):
+        return weights, report
+    out = dict(weights)
+    for name, w in weights.items():
+        if _is_matrix(name) and not isinstance(w, QuantizedWeight):
+            qw = quantize(w, quant)
+            max_err, rms_err = quantization_error(w, qw)
+            out[name] = qw
+            report.append(dict(name=name, format=quant, shape=qw.shape, bytes=qw.nbytes,
+                               max_err=max_err, rms_err=rms_err))
+    return out, report
 
 
 def _magic(path: Path) -> bytes:
@@ -85,20 +127,24 @@ def gguf_config(gg: GGUFFile) -> ModelConfig:
     )
 
 
-def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+def unpermute_rope_rows(w, n_heads: int):
     """Undo the GGUF converter's q/k row permutation (the "RoPE trap").
 
     llama.cpp rotates adjacent pairs (2i, 2i+1), Hugging Face rotates (i, i + Dh/2). The converter reorders
     each head's rows so that llama.cpp's pairing gives HF's result: HF row order [first half | second half]
     became interleaved [h0, s0, h1, s1, ...]. We put the rows back, so tinyllm uses the half-split pairing
-    for every checkpoint. w: [n_heads * Dh, D] -> same shape.
+    for every checkpoint. w: [n_heads * Dh, D] (a float array or a QuantizedWeight) -> same shape.
     """
-    rows, cols = w.shape
+    rows = w.shape[0]
     dh = rows // n_heads
-    return w.reshape(n_heads, dh // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+    # new row (head, half, i) comes from stored row (head, i, half)
+    order = np.arange(rows).reshape(n_heads, dh // 2, 2).swapaxes(1, 2).reshape(rows)
+    return w.take_rows(order) if isinstance(w, QuantizedWeight) else w[order]
 
 
-def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer]:
+def load_gguf(path: str | Path, quant: str | None = None) -> tuple[ModelConfig, dict, Tokenizer]:
+    """Read a llama GGUF. Matrices are dequantized to float32, except that with quant="native" Q4_1 and Q8_0
+    matrices (and with quant="q4_1", Q4_1 matrices) are repacked as they are, without loss."""
     try:
         gg = GGUFFile(path)
     except GGUFError as e:
@@ -113,8 +159,14 @@ def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray], Tok
                     continue  # tied output head
                 raise CheckpointError(f"{gg.path}: tensor {name!r} is missing; the file is not a complete "
                                       f"{config.n_layers}-layer llama model")
+            info = gg.tensors[name]
+            keep = (quant == "native" and info.type_name in ("Q4_1", "Q8_0")) or (
+                quant == "q4_1" and info.type_name == "Q4_1")
             try:
-                weights[canonical.format(i=i)] = gg.tensor(name)
+                if keep and len(info.shape) == 2:
+                    weights[canonical.format(i=i)] = from_gguf_block(gg.raw(name), info.type_name, info.shape)
+                else:
+                    weights[canonical.format(i=i)] = gg.tensor(name)
             except GGUFError as e:
                 raise CheckpointError(f"{gg.path}: tensor {name!r}: {e}") from None
     for i in range(config.n_layers):

@@ -1,0 +1,52 @@
+"""Every Numba kernel against its numpy twin, on odd shapes; and the two backends give the same tokens."""
+import numpy as np
+import pytest
+
+import tinyllm
+from tinyllm import kernels, ops, quant
+
+RNG = np.random.default_rng(0)
+
+
+@pytest.mark.parametrize("fmt", ["fp32"] + list(quant.FORMATS))
+@pytest.mark.parametrize("M", [1, 2, 3, 7, 16, 17, 64])
+@pytest.mark.parametrize("O, I", [(1, 32), (33, 64), (130, 96), (7, 1536)])
+def test_linear_matches_numpy(fmt, M, O, I):
+    w = RNG.normal(0, 0.1, (O, I)).astype(np.float32)
+    x = RNG.normal(0, 1, (M, I)).astype(np.float32)
+    qw = w if fmt == "fp32" else quant.quantize(w, fmt)
+    b = RNG.normal(size=O).astype(np.float32)
+    want = ops.linear(x, qw, b)                                       # numpy: dequantize, then matmul
+    got = kernels.linear(x, qw, b)
+    np.testing.assert_allclose(got, want, atol=2e-5 * np.sqrt(I), rtol=1e-5)
+
+
+def test_int8_channel_odd_width_not_multiple_of_block():
+    w = RNG.normal(0, 0.1, (9, 45)).astype(np.float32)               # per-channel works for any width
+    qw = quant.quantize_int8_channel(w)
+    x = RNG.normal(size=(2, 45)).astype(np.float32)
+    np.testing.assert_allclose(kernels.linear(x, qw), ops.linear(x, qw), atol=1e-5)
+
+
+@pytest.mark.parametrize("S, H, KVH, Dh", [(1, 4, 4, 8), (5, 9, 3, 64), (37, 6, 2, 16), (300, 8, 1, 32)])
+def test_decode_attention_matches_numpy(S, H, KVH, Dh):
+    q = RNG.normal(size=(1, H, Dh)).astype(np.float32)
+    k = RNG.normal(size=(S, KVH, Dh)).astype(np.float32)
+    v = RNG.normal(size=(S, KVH, Dh)).astype(np.float32)
+    want = ops.attention(q, k, v, start=S - 1)                        # [1, H*Dh]: the last position sees all
+    np.testing.assert_allclose(kernels.attention_one_token(q[0], k, v), want, atol=1e-5)
+
+
+def test_warmup_reports_time():
+    assert kernels.warmup() >= 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quant_name", [None, "int8", "native"])
+def test_backends_give_the_same_greedy_tokens(default_model_path, quant_name):
+    m = tinyllm.load(default_model_path, quant=quant_name)
+    prompt = "The three primary colors are"
+    fast = tinyllm.generate(m, prompt, max_new_tokens=16).token_ids
+    m.backend = "numpy"
+    slow = tinyllm.generate(m, prompt, max_new_tokens=16).token_ids
+    assert fast == slow

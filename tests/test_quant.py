@@ -1,0 +1,91 @@
+"""Quantization formats: round-trip error bounds, exact repacking of the file's own blocks, clear errors."""
+import numpy as np
+import pytest
+
+import tinyllm
+from tinyllm import quant
+from tinyllm.gguf import GGUFFile
+
+RNG = np.random.default_rng(0)
+W = RNG.normal(0, 0.05, (64, 96)).astype(np.float32)
+
+
+def test_int8_channel_error_within_half_a_step():
+    qw = quant.quantize_int8_channel(W)
+    step = np.abs(W).max(axis=1) / 127                               # [O]
+    err = np.abs(qw.dequantize() - W)
+    assert np.all(err <= step[:, None] / 2 + 1e-7)                   # rounding, not truncation
+    assert qw.q.dtype == np.int8 and qw.nbytes == 64 * 96 + 64 * 4
+
+
+def test_int8_block_error_within_half_a_block_step():
+    qw = quant.quantize_int8_block(W)
+    step = np.abs(W.reshape(64, -1, 32)).max(axis=2) / 127           # [O, I/32]
+    err = np.abs(qw.dequantize() - W).reshape(64, -1, 32)
+    assert np.all(err <= step[..., None] / 2 + 1e-7)
+
+
+def test_q4_1_error_within_half_a_block_step_and_extremes_exact():
+    qw = quant.quantize_q4_1(W)
+    b = W.reshape(64, -1, 32)
+    step = (b.max(axis=2) - b.min(axis=2)) / 15
+    deq = qw.dequantize().reshape(64, -1, 32)
+    assert np.all(np.abs(deq - b) <= step[..., None] / 2 + 1e-6)
+    np.testing.assert_allclose(deq.min(axis=2), b.min(axis=2), atol=1e-7)   # the minimum is stored exactly
+
+
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_all_zero_rows_and_blocks_stay_zero(fmt):
+    w = W.copy()
+    w[3] = 0.0
+    w[5, :32] = 0.0
+    qw = quant.quantize(w, fmt)
+    deq = qw.dequantize()
+    assert np.all(np.isfinite(deq)) and np.all(deq[3] == 0) and np.all(deq[5, :32] == 0)
+
+
+def test_q4_constant_block_is_exact():
+    w = np.full((2, 32), 0.3, dtype=np.float32)
+    np.testing.assert_array_equal(quant.quantize_q4_1(w).dequantize(), w)
+
+
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_take_rows_and_concat_are_exact(fmt):
+    qw = quant.quantize(W, fmt)
+    idx = RNG.permutation(64)
+    np.testing.assert_array_equal(qw.take_rows(idx).dequantize(), qw.dequantize()[idx])
+    both = type(qw).concat_rows([qw, qw.take_rows(idx)])
+    np.testing.assert_array_equal(both.dequantize(), np.concatenate([qw.dequantize(), qw.dequantize()[idx]]))
+    np.testing.assert_array_equal(qw.dequantize(np.array([2, 7])), qw.dequantize()[[2, 7]])
+
+
+def test_bad_input_errors():
+    with pytest.raises(ValueError, match="unknown quantization format 'int3'"):
+        quant.quantize(W, "int3")
+    with pytest.raises(ValueError, match="block size 32 does not divide the row length 40"):
+        quant.quantize_int8_block(np.ones((2, 40), np.float32))
+    with pytest.raises(ValueError, match="block size 32 does not divide the row length 40"):
+        quant.quantize_q4_1(np.ones((2, 40), np.float32))
+    with pytest.raises(ValueError, match="2-D"):
+        quant.quantize_int8_channel(np.ones(8, np.float32))
+    with pytest.raises(ValueError, match="unknown quant 'int4'"):
+        tinyllm.load("whatever.gguf", quant="int4")
+
+
+@pytest.mark.slow
+def test_native_blocks_equal_the_files_dequantized_values(default_model_path):
+    gg = GGUFFile(default_model_path)
+    for name in ["blk.0.attn_q.weight", "blk.7.ffn_down.weight", "token_embd.weight"]:
+        info = gg.tensors[name]
+        qw = quant.from_gguf_block(gg.raw(name), info.type_name, info.shape)
+        np.testing.assert_array_equal(qw.dequantize(), gg.tensor(name))
+
+
+@pytest.mark.slow
+def test_quantized_default_model_reports_bytes_and_errors(default_model_path):
+    m = tinyllm.load(default_model_path, quant="int8")
+    fp32_bytes = m.config.n_params * 4
+    assert 0.24 < m.weight_bytes / fp32_bytes < 0.27                  # ~1 byte per weight + scales + fp32 norms
+    rows = {r["name"]: r for r in m.quant_report}
+    assert rows["tok_embed"]["format"] == "int8" and 0 < rows["tok_embed"]["rms_err"] < rows["tok_embed"]["max_err"]
+    assert m.tied_head                                                 # the head shares the quantized table
