@@ -24,6 +24,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--model", default=None, help="a .gguf file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--quant", default=None, choices=["fp32", "int8", "int8-block", "q4_1", "native"],
+                   help="weight format: fp32 (default), int8 per row, int8 per block of 32, 4-bit q4_1, or the "
+                        "file's own blocks")
+    p.add_argument("--backend", default="numba", choices=["numba", "numpy"],
+                   help="numba kernels (fast) or plain numpy (readable, steppable)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -47,7 +52,7 @@ def main(argv=None) -> int:
         if args.threads is not None:
             tinyllm.set_threads(args.threads)
         t0 = time.perf_counter()
-        model = tinyllm.load(args.model)
+        model = tinyllm.load(args.model, quant=args.quant, backend=args.backend)
         load_s = time.perf_counter() - t0
         chat = not args.raw and model.tokenizer.chat_template is not None
         kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -70,9 +75,11 @@ def main(argv=None) -> int:
         return 130
     if args.json:
         print(json.dumps({"prompt_ids": res.prompt_ids, "token_ids": res.token_ids, "text": res.text,
-                          "finish_reason": res.finish_reason, "load_s": load_s, "stats": res.stats.as_dict()}))
+                          "finish_reason": res.finish_reason, "load_s": load_s, "jit_s": model.jit_s,
+                          "quant": model.quant, "weight_bytes": model.weight_bytes, "stats": res.stats.as_dict()}))
     else:
-        print(f"[{res.finish_reason}] load {load_s:.1f} s | {res.stats.summary()}", file=sys.stderr)
+        print(f"[{res.finish_reason}] load {load_s:.1f} s (JIT {model.jit_s:.1f} s) | {model.quant} "
+              f"{model.weight_bytes / 2**20:.0f} MiB | {res.stats.summary()}", file=sys.stderr)
     return 0
 
 

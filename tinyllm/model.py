@@ -65,6 +65,7 @@ class Transformer:
         self.tokenizer = tokenizer
         self.quant = quant or "fp32"
         self.quant_report = quant_report or []
+        self.jit_s = 0.0                    # seconds spent compiling / loading kernels (numba backend)
         self.backend = backend              # validated by the property setter below
         c = config
         self.tok_embed = weights["tok_embed"]                      # [V, D]
@@ -97,10 +98,10 @@ class Transformer:
             raise ValueError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
         if name == "numba":
             from . import kernels
-            self._linear = kernels.linear
-            self._decode_attention = kernels.attention_one_token
+            self.jit_s = kernels.warmup()   # compile, or load from numba's on-disk cache: not part of any step
+            self.ops = kernels              # the same function names as ops.py, hot ones as Numba kernels
         else:
-            self._linear, self._decode_attention = ops.linear, None
+            self.ops = ops
         self._backend = name
 
     # --- the three public ways in ----------------------------------------------------------------------------
@@ -149,38 +150,34 @@ class Transformer:
         if last_only:
             x = x[-1:]                                              # [1, D]
         x = self._norm(x, self.final_norm, self.final_norm_b)
-        return self._linear(x, self.lm_head)                        # [T, V]
+        return self.ops.linear(x, self.lm_head)                     # [T, V]
 
     def _block(self, x, layer: LayerWeights, i: int, start: int, cache) -> np.ndarray:
         """One transformer block: x + attention(norm(x)), then x + mlp(norm(x)). x: [T, D] -> [T, D]"""
-        c = self.config
+        c, o = self.config, self.ops
         T, H, KVH, Dh = x.shape[0], c.n_heads, c.n_kv_heads, c.head_dim
 
         # attention
         h = self._norm(x, layer.attn_norm, layer.attn_norm_b)      # [T, D]
-        qkv = self._linear(h, layer.wqkv, layer.bqkv)               # [T, (H + 2*KVH) * Dh]
+        qkv = o.linear(h, layer.wqkv, layer.bqkv)                   # [T, (H + 2*KVH) * Dh]
         q = qkv[:, :H * Dh].reshape(T, H, Dh)                       # [T, H, Dh]
         k = qkv[:, H * Dh:(H + KVH) * Dh].reshape(T, KVH, Dh)      # [T, KVH, Dh]
         v = qkv[:, (H + KVH) * Dh:].reshape(T, KVH, Dh)            # [T, KVH, Dh]
         if c.arch == "llama":                                       # rotate q and k by their positions
             cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]   # [T, Dh/2]
-            q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
+            q, k = o.apply_rope(q, cos, sin), o.apply_rope(k, cos, sin)
         if cache is not None:                                       # store, then attend over the full history
             k, v = cache.update(i, start, k, v)                     # [S, KVH, Dh], S = start + T
-        if T == 1 and self._decode_attention is not None:           # decode: one query against the cache
-            att = self._decode_attention(q[0], k, v)                # [1, H*Dh]
-        else:
-            att = ops.attention(q, k, v, start)                     # [T, H*Dh]
-        x = x + self._linear(att, layer.wo, layer.bo)               # [T, D]
+        att = o.attention(q, k, v, start)                           # [T, H*Dh]
+        x = x + o.linear(att, layer.wo, layer.bo)                   # [T, D]
 
         # feed-forward
         h = self._norm(x, layer.ffn_norm, layer.ffn_norm_b)        # [T, D]
-        if c.arch == "llama":                                       # SwiGLU: silu(gate) * up
-            gate_up = self._linear(h, layer.w_in)                   # [T, 2F]
-            h = ops.silu(gate_up[:, :c.ffn_dim]) * gate_up[:, c.ffn_dim:]   # [T, F]
+        if c.arch == "llama":
+            h = o.swiglu(o.linear(h, layer.w_in))                   # [T, 2F] -> [T, F]: silu(gate) * up
         else:
-            h = ops.gelu_tanh(self._linear(h, layer.w_in, layer.b_in))     # [T, F]
-        return x + self._linear(h, layer.w_out, layer.b_out)       # [T, D]
+            h = o.gelu_tanh(o.linear(h, layer.w_in, layer.b_in))    # [T, F]
+        return x + o.linear(h, layer.w_out, layer.b_out)            # [T, D]
 
     def _embed(self, ids: np.ndarray) -> np.ndarray:
         """Rows of the embedding table for `ids` (dequantized row by row if the table is quantized). -> [T, D]"""
@@ -190,8 +187,8 @@ class Transformer:
 
     def _norm(self, x, weight, bias):
         if self.config.arch == "llama":
-            return ops.rmsnorm(x, weight, self.config.norm_eps)
-        return ops.layernorm(x, weight, bias, self.config.norm_eps)
+            return self.ops.rmsnorm(x, weight, self.config.norm_eps)
+        return self.ops.layernorm(x, weight, bias, self.config.norm_eps)
 
     def _check_ids(self, ids) -> np.ndarray:
         ids = np.asarray(ids)

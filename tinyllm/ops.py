@@ -39,6 +39,12 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
+def swiglu(gate_up: np.ndarray) -> np.ndarray:
+    """Llama's gated MLP activation: silu(gate) * up, for gate and up side by side. [T, 2F] -> [T, F]"""
+    F = gate_up.shape[-1] // 2
+    return silu(gate_up[:, :F]) * gate_up[:, F:]
+
+
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
     """GPT-2's GELU (the tanh approximation, 'gelu_new' in transformers)."""
     return 0.5 * x * (1.0 + np.tanh(np.float32(0.7978845608028654) * (x + np.float32(0.044715) * x * x * x)))
