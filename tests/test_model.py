@@ -153,3 +153,29 @@ def test_default_model_cache_paths_match_forward(default_model):
     np.testing.assert_allclose(default_model.prefill(ids[:20], cache), full[19], atol=2e-4)
     for t in range(20, len(ids)):
         np.testing.assert_allclose(default_model.decode_step(ids[t], cache), full[t], atol=2e-4)
+
+
+def test_batched_forward_equals_each_sequence_alone(model):
+    rng = np.random.default_rng(8)
+    seqs = [rng.integers(0, 50, n) for n in (5, 1, 9)]
+    caches = [model.new_cache(16) for _ in seqs]
+    model.prefill(seqs[0][:2], caches[0])                            # sequences at different positions
+    out = model.forward_batch(seqs, caches)
+    for j, (s, c, got) in enumerate(zip(seqs, caches, out)):
+        alone = model.new_cache(16)
+        if j == 0:
+            model.prefill(seqs[0][:2], alone)                        # the same history as in the batch
+        np.testing.assert_allclose(got, model.forward(s, alone), atol=1e-4)
+        assert c.length == alone.length
+
+
+def test_decode_batch_equals_decode_step(model):
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(0, 50, n) for n in (3, 7, 12)]
+    caches, singles = [model.new_cache(20) for _ in prompts], [model.new_cache(20) for _ in prompts]
+    for p, c, s in zip(prompts, caches, singles):
+        model.prefill(p, c)
+        model.prefill(p, s)
+    got = model.decode_batch([4, 5, 6], caches)                      # [B, V]
+    for j, s in enumerate(singles):
+        np.testing.assert_allclose(got[j], model.decode_step(4 + j, s), atol=1e-4)

@@ -128,32 +128,57 @@ class Transformer:
             raise ValueError(f"max_seq_len {n} exceeds the model's context length {self.config.context_length}")
         return ContiguousKVCache(self.config, n)
 
+    def decode_batch(self, token_ids, caches: list) -> np.ndarray:
+        """One new token for each of B sequences, each at its own position in its own cache. -> [B, V]
+
+        The B rows go through every weight matrix together, so one read of the weights serves all of them:
+        the reason batching raises throughput when decode is memory-bound.
+        """
+        return np.concatenate(self.forward_batch([[t] for t in token_ids], caches))
+
     # --- the forward pass -------------------------------------------------------------------------------------
     def forward(self, ids, cache: ContiguousKVCache | None = None, last_only: bool = False) -> np.ndarray:
         """Tokens `ids` at positions cache.length .. (or 0 .. without a cache). -> [T, V] (or [1, V] if last_only)"""
-        ids = self._check_ids(ids)                                  # [T]
-        T = len(ids)
-        start = 0 if cache is None else cache.length
-        if start + T > self.config.context_length:
-            raise ValueError(f"sequence of {start + T} tokens exceeds the model's context length "
-                             f"{self.config.context_length}; shorten the prompt or generate fewer tokens")
-        if cache is not None:
-            cache.check_room(T)
+        return self.forward_batch([ids], [cache], last_only=last_only)[0]
 
-        x = self._embed(ids)                                        # [T, D]
+    def forward_batch(self, seqs: list, caches: list, last_only: bool = False) -> list[np.ndarray]:
+        """Several sequences in one pass: their token rows are stacked into one [N, D] activation, so every
+        matrix multiply runs once for all of them; only attention is done per sequence, against its own cache.
+        -> per sequence, [T_j, V] logits (or [1, V] with last_only)."""
+        if len(seqs) != len(caches) or not seqs:
+            raise ValueError(f"need one cache (or None) per sequence, got {len(seqs)} sequences, {len(caches)} caches")
+        ids = [self._check_ids(s) for s in seqs]
+        segments, positions, row = [], [], 0      # segment: (rows of this sequence, its cache, its start position)
+        for seq_ids, cache in zip(ids, caches):
+            T, start = len(seq_ids), (0 if cache is None else cache.length)
+            if start + T > self.config.context_length:
+                raise ValueError(f"sequence of {start + T} tokens exceeds the model's context length "
+                                 f"{self.config.context_length}; shorten the prompt or generate fewer tokens")
+            if cache is not None:
+                cache.check_room(T)
+            segments.append((slice(row, row + T), cache, start))
+            positions.append(np.arange(start, start + T))
+            row += T
+        positions = np.concatenate(positions)                       # [N] each row's position in its sequence
+
+        x = self._embed(np.concatenate(ids))                        # [N, D]
         if self.pos_embed is not None:                              # gpt2: learned absolute positions
-            x = x + self.pos_embed[start:start + T]
+            x = x + self.pos_embed[positions]
         for i, layer in enumerate(self.layers):
-            x = self._block(x, layer, i, start, cache)              # [T, D]
-        if cache is not None:
-            cache.length = start + T
+            x = self._block(x, layer, i, positions, segments)       # [N, D]
+        for rows, cache, start in segments:
+            if cache is not None:
+                cache.length = start + (rows.stop - rows.start)
         if last_only:
-            x = x[-1:]                                              # [1, D]
+            x = x[[rows.stop - 1 for rows, _, _ in segments]]       # [B, D]: each sequence's last row
         x = self._norm(x, self.final_norm, self.final_norm_b)
-        return self.ops.linear(x, self.lm_head)                     # [T, V]
+        logits = self.ops.linear(x, self.lm_head)                   # [N, V] or [B, V]
+        if last_only:
+            return [logits[j:j + 1] for j in range(len(segments))]
+        return [logits[rows] for rows, _, _ in segments]
 
-    def _block(self, x, layer: LayerWeights, i: int, start: int, cache) -> np.ndarray:
-        """One transformer block: x + attention(norm(x)), then x + mlp(norm(x)). x: [T, D] -> [T, D]"""
+    def _block(self, x, layer: LayerWeights, i: int, positions: np.ndarray, segments: list) -> np.ndarray:
+        """One transformer block: x + attention(norm(x)), then x + mlp(norm(x)). x: [N, D] -> [N, D]"""
         c, o = self.config, self.ops
         T, H, KVH, Dh = x.shape[0], c.n_heads, c.n_kv_heads, c.head_dim
 
@@ -164,11 +189,20 @@ class Transformer:
         k = qkv[:, H * Dh:(H + KVH) * Dh].reshape(T, KVH, Dh)      # [T, KVH, Dh]
         v = qkv[:, (H + KVH) * Dh:].reshape(T, KVH, Dh)            # [T, KVH, Dh]
         if c.arch == "llama":                                       # rotate q and k by their positions
-            cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]   # [T, Dh/2]
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]   # [T, Dh/2]
             q, k = o.apply_rope(q, cos, sin), o.apply_rope(k, cos, sin)
-        if cache is not None:                                       # store, then attend over the full history
-            k, v = cache.update(i, start, k, v)                     # [S, KVH, Dh], S = start + T
-        att = o.attention(q, k, v, start)                           # [T, H*Dh]
+        if len(segments) == 1:                                      # one sequence: attend over its whole history
+            _, cache, start = segments[0]
+            if cache is not None:                                   # store this step's K/V, read back all of it
+                k, v = cache.update(i, start, k, v)                 # [S, KVH, Dh], S = start + T
+            att = o.attention(q, k, v, start)                       # [T, H*Dh]
+        else:                                                       # several: each against its own cache
+            att = np.empty((T, H * Dh), dtype=np.float32)
+            for rows, cache, start in segments:
+                k_s, v_s = k[rows], v[rows]
+                if cache is not None:
+                    k_s, v_s = cache.update(i, start, k_s, v_s)
+                att[rows] = o.attention(q[rows], k_s, v_s, start)
         x = x + o.linear(att, layer.wo, layer.bo)                   # [T, D]
 
         # feed-forward
