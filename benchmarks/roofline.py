@@ -1,0 +1,338 @@
+#!/usr/bin/env python
+"""The roofline report: is decode bound by the bytes it reads? Measured, in one run, on this machine.
+
+    python benchmarks/roofline.py                 # full report (a few minutes), writes RESULTS.md section + PNGs
+    python benchmarks/roofline.py --quick         # fewer points, for a smoke test
+
+1. Measures the machine: streaming read bandwidth (a Numba kernel summing the rows of a 1 GiB array) and
+   the sgemm peak (numpy's BLAS on 2048^3 and on prefill-shaped matrices).
+2. For each weight format (fp32, int8, int8-block, q4_1): bytes read per decode token (weights + the KV cache
+   at the current length), decode tok/s at batch 1, achieved GB/s and its share of the measured bandwidth;
+   prefill tok/s and achieved GFLOP/s against the sgemm peak.
+3. Sweeps: context length (the KV share of the bytes grows), threads 1 and 2, batch size 1..64 (one weight
+   read serves the whole batch: tok/s per user vs in total).
+Formats are measured in interleaved rounds and reported as medians, because a shared machine drifts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import tinyllm  # noqa: E402  (first: it tunes OpenBLAS's thread spin before numpy loads it)
+import numpy as np  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+FORMATS = ["fp32", "int8", "int8-block", "q4_1"]
+BEGIN, END = "<!-- roofline:begin -->", "<!-- roofline:end -->"
+
+
+# --- the machine ---------------------------------------------------------------------------------------------
+def machine_info() -> dict:
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        cpu = re.search(r"Model name:\s*(.+)", lscpu).group(1).strip()
+    except (OSError, AttributeError):
+        cpu = platform.processor() or "unknown"
+    import numba
+    from threadpoolctl import threadpool_info
+
+    blas = next((f"{i['internal_api']} {i['version']} ({i.get('architecture', '?')})" for i in threadpool_info()
+                 if i["user_api"] == "blas"), "unknown")
+    return dict(cpu=cpu, cores=os.cpu_count(), python=platform.python_version(), numpy=np.__version__,
+                numba=numba.__version__, blas=blas)
+
+
+def median_time(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def read_bandwidth(threads: int, repeats: int = 7) -> float:
+    """GB/s of a streaming read: Numba sums each 4 KiB row of a 1 GiB float32 array, rows split across threads."""
+    import numba
+
+    @numba.njit(parallel=True, fastmath=True)
+    def row_sums(a, out):
+        for r in numba.prange(a.shape[0]):
+            s = np.float32(0.0)
+            for j in range(a.shape[1]):
+                s += a[r, j]
+            out[r] = s
+
+    a = np.ones((1 << 18, 1024), dtype=np.float32)                  # 1 GiB: far larger than any cache
+    out = np.empty(a.shape[0], dtype=np.float32)
+    numba.set_num_threads(threads)
+    t = median_time(lambda: row_sums(a, out), repeats)
+    return a.nbytes / t / 1e9
+
+
+def sgemm_gflops(m: int, k: int, n: int, repeats: int = 5) -> float:
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((m, k), dtype=np.float32)
+    b = rng.standard_normal((n, k), dtype=np.float32)
+    return 2 * m * k * n / median_time(lambda: a @ b.T, repeats) / 1e9
+
+
+# --- model accounting ----------------------------------------------------------------------------------------
+def matrix_params(c) -> int:
+    """Weights that take part in matmuls for every token (all layers' projections)."""
+    return c.n_layers * (c.dim * c.q_dim + 2 * c.dim * c.kv_dim + c.q_dim * c.dim + 3 * c.dim * c.ffn_dim)
+
+
+def decode_bytes(model, S: int, batch: int = 1) -> int:
+    """Bytes one decode step reads: every weight once (shared by the batch), plus each sequence's K and V."""
+    return model.weight_bytes + batch * (S + 1) * model.config.kv_bytes_per_token()
+
+
+def decode_flops(model, S: int, batch: int = 1) -> float:
+    c = model.config
+    attention = 2 * 2 * c.n_layers * c.n_heads * c.head_dim * (S + 1)      # q.K and p.V over S+1 positions
+    return batch * (2 * matrix_params(c) + 2 * c.dim * c.vocab_size + attention)
+
+
+def prefill_flops(model, T: int) -> float:
+    c = model.config
+    attention = 2 * 2 * c.n_layers * c.n_heads * c.head_dim * T * (T + 1) / 2   # causal: half the square
+    return 2 * T * matrix_params(c) + 2 * c.dim * c.vocab_size + attention
+
+
+# --- measurements --------------------------------------------------------------------------------------------
+def filled_cache(model, S: int, rng, extra: int = 4):
+    """A cache holding S positions of random K/V: decode time depends on S, not on what the values are."""
+    cache = model.new_cache(S + extra)
+    if S:
+        cache.k[:, :S] = rng.standard_normal(cache.k[:, :S].shape, dtype=np.float32) * 0.5
+        cache.v[:, :S] = rng.standard_normal(cache.v[:, :S].shape, dtype=np.float32) * 0.5
+    cache.length = S
+    return cache
+
+
+def decode_step_time(model, S: int, steps: int, rng, batch: int = 1) -> float:
+    """Median seconds per decode step at context S (the cache is truncated back to S after every step)."""
+    caches = [filled_cache(model, S, rng) for _ in range(batch)]
+    tokens = rng.integers(100, 1000, size=batch)
+    times = []
+    for i in range(steps + 2):
+        t0 = time.perf_counter()
+        if batch == 1:
+            model.decode_step(int(tokens[0]), caches[0])
+        else:
+            model.decode_batch(tokens, caches)
+        if i >= 2:                                                  # two warm-up steps
+            times.append(time.perf_counter() - t0)
+        for c in caches:
+            c.truncate(S)
+    return float(np.median(times))
+
+
+def prefill_time(model, T: int, repeats: int, rng) -> float:
+    ids = rng.integers(100, 20000, size=T)
+    return median_time(lambda: model.prefill(ids, model.new_cache(T)), repeats)
+
+
+# --- report --------------------------------------------------------------------------------------------------
+def run(args) -> dict:
+    rng = np.random.default_rng(0)
+    res = dict(machine=machine_info(), command=" ".join(["python", "benchmarks/roofline.py"] + sys.argv[1:]),
+               date=time.strftime("%Y-%m-%d %H:%M"), threads=args.threads)
+    print(f"machine: {res['machine']}", flush=True)
+    res["bandwidth_gbs"] = {t: read_bandwidth(t) for t in (1, 2) if t <= os.cpu_count()}
+    tinyllm.set_threads(args.threads)
+    res["sgemm_gflops"] = {"2048x2048x2048": sgemm_gflops(2048, 2048, 2048),
+                           "128x576x3072": sgemm_gflops(128, 576, 3072)}
+    bw = res["bandwidth_gbs"][args.threads]
+    print(f"read bandwidth {res['bandwidth_gbs']} GB/s, sgemm {res['sgemm_gflops']} GFLOP/s", flush=True)
+
+    models = {}
+    for fmt in FORMATS:
+        t0 = time.perf_counter()
+        models[fmt] = tinyllm.load(quant=None if fmt == "fp32" else fmt)
+        print(f"loaded {fmt}: {models[fmt].weight_bytes / 1e6:.1f} MB in {time.perf_counter() - t0:.1f} s "
+              f"(JIT {models[fmt].jit_s:.1f} s)", flush=True)
+
+    # headline: decode at S=args.context and prefill of args.prompt tokens, formats interleaved over rounds
+    S, T = args.context, args.prompt
+    rounds = {fmt: dict(decode=[], prefill=[]) for fmt in FORMATS}
+    for r in range(args.rounds):
+        for fmt in FORMATS:
+            rounds[fmt]["decode"].append(decode_step_time(models[fmt], S, args.steps, rng))
+            rounds[fmt]["prefill"].append(prefill_time(models[fmt], T, 1, rng))
+        print(f"round {r + 1}/{args.rounds} done", flush=True)
+    res["kv_bytes_per_token"] = models["fp32"].config.kv_bytes_per_token()
+    headline = {}
+    for fmt in FORMATS:
+        m, step, pre = models[fmt], float(np.median(rounds[fmt]["decode"])), float(np.median(rounds[fmt]["prefill"]))
+        nbytes = decode_bytes(m, S)
+        headline[fmt] = dict(
+            weight_mb=m.weight_bytes / 1e6, bytes_per_token_mb=nbytes / 1e6, decode_tok_s=1 / step,
+            decode_ms=step * 1e3, achieved_gbs=nbytes / step / 1e9, bw_fraction=nbytes / step / 1e9 / bw,
+            ceiling_tok_s=bw * 1e9 / nbytes, prefill_tok_s=T / pre,
+            prefill_gflops=prefill_flops(m, T) / pre / 1e9,
+            prefill_peak_fraction=prefill_flops(m, T) / pre / 1e9 / res["sgemm_gflops"]["2048x2048x2048"],
+            intensity=decode_flops(m, S) / nbytes)
+        headline[fmt]["speedup_vs_fp32"] = headline[fmt]["decode_tok_s"] / (1 / np.median(rounds["fp32"]["decode"]))
+    res["headline"] = headline
+
+    # context sweep: the KV cache's share of the bytes grows with S
+    res["context"] = {}
+    for fmt in FORMATS:
+        res["context"][fmt] = {s: 1 / decode_step_time(models[fmt], s, args.steps, rng) for s in args.contexts}
+    print("context sweep done", flush=True)
+
+    # threads 1 and 2
+    res["threads_sweep"] = {}
+    for t in sorted(res["bandwidth_gbs"]):
+        tinyllm.set_threads(t)
+        res["threads_sweep"][t] = {fmt: 1 / decode_step_time(models[fmt], S, args.steps, rng) for fmt in FORMATS}
+    tinyllm.set_threads(args.threads)
+    print("threads sweep done", flush=True)
+
+    # batch sweep: one weight read per step serves B sequences
+    res["batch"] = {}
+    for fmt in args.batch_formats:
+        res["batch"][fmt] = {}
+        for b in args.batches:
+            step = decode_step_time(models[fmt], S, max(3, args.steps // 4), rng, batch=b)
+            res["batch"][fmt][b] = dict(step_ms=step * 1e3, per_user_tok_s=1 / step, total_tok_s=b / step,
+                                        gflops=decode_flops(models[fmt], S, b) / step / 1e9,
+                                        intensity=decode_flops(models[fmt], S, b) / decode_bytes(models[fmt], S, b))
+        print(f"batch sweep {fmt} done", flush=True)
+    return res
+
+
+def markdown(res: dict, args) -> str:
+    m, h = res["machine"], res["headline"]
+    bw = res["bandwidth_gbs"][res["threads"]]
+    peak = res["sgemm_gflops"]["2048x2048x2048"]
+    out = [BEGIN, "## Roofline: decode is bound by the bytes it reads", "",
+           f"Measured {res['date']} with `{res['command']}` on {m['cpu']}, {m['cores']} cores, "
+           f"Python {m['python']}, numpy {m['numpy']} ({m['blas']}), numba {m['numba']}; "
+           f"{res['threads']} threads for BLAS and Numba. Default model SmolLM2-135M-Instruct.", "",
+           f"- Streaming read bandwidth (Numba row sums over 1 GiB): "
+           + ", ".join(f"{v:.1f} GB/s with {t} thread{'s' if t > 1 else ''}" for t, v in res["bandwidth_gbs"].items()),
+           f"- sgemm (numpy BLAS): " + ", ".join(f"{v:.0f} GFLOP/s at {k}" for k, v in res["sgemm_gflops"].items()),
+           "", f"Batch 1, context {args.context} tokens (decode: median step over {args.rounds} interleaved rounds of "
+           f"{args.steps} steps; prefill: {args.prompt} tokens):", "",
+           "| format | weights MB | bytes/token MB | decode tok/s | vs fp32 | achieved GB/s | of bandwidth | "
+           "ceiling tok/s | prefill tok/s | prefill GFLOP/s | of sgemm peak |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for fmt, r in h.items():
+        out.append(f"| {fmt} | {r['weight_mb']:.0f} | {r['bytes_per_token_mb']:.1f} | {r['decode_tok_s']:.1f} | "
+                   f"{r['speedup_vs_fp32']:.2f}x | {r['achieved_gbs']:.1f} | {r['bw_fraction']:.0%} | "
+                   f"{r['ceiling_tok_s']:.0f} | {r['prefill_tok_s']:.0f} | {r['prefill_gflops']:.0f} | "
+                   f"{r['prefill_peak_fraction']:.0%} |")
+    out += ["", f"Ceiling = measured bandwidth ({bw:.1f} GB/s) / bytes per token.", "",
+            "Decode tok/s against context length (batch 1; every token of context adds "
+            f"{res['kv_bytes_per_token'] / 1e3:.1f} kB of float32 K and V to each step's read):", "",
+            "| format | " + " | ".join(f"S={s}" for s in args.contexts) + " |",
+            "|---|" + "---|" * len(args.contexts)]
+    for fmt, row in res["context"].items():
+        out.append(f"| {fmt} | " + " | ".join(f"{row[s]:.1f}" for s in args.contexts) + " |")
+    out += ["", f"Decode tok/s with 1 and 2 threads (context {args.context}):", "",
+            "| threads | " + " | ".join(FORMATS) + " |", "|---|" + "---|" * len(FORMATS)]
+    for t, row in res["threads_sweep"].items():
+        out.append(f"| {t} | " + " | ".join(f"{row[f]:.1f}" for f in FORMATS) + " |")
+    for fmt, rows in res["batch"].items():
+        out += ["", f"Batched decode, {fmt} weights, context {args.context} each (one weight read per step serves "
+                "the batch):", "", "| batch | step ms (ITL per user) | tok/s per user | tok/s total | GFLOP/s |",
+                "|---|---|---|---|---|"]
+        for b, r in rows.items():
+            out.append(f"| {b} | {r['step_ms']:.1f} | {r['per_user_tok_s']:.1f} | {r['total_tok_s']:.0f} | "
+                       f"{r['gflops']:.0f} |")
+    out += ["", "Plots: `benchmarks/roofline.png` (arithmetic intensity vs GFLOP/s under the bandwidth and compute "
+            "roofs), `benchmarks/decode_vs_bytes.png` (decode tok/s vs bytes per token).", END]
+    return "\n".join(out)
+
+
+def plots(res: dict) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed (pip install -e '.[bench]'): no plots", flush=True)
+        return
+    bw = res["bandwidth_gbs"][res["threads"]]
+    peak = res["sgemm_gflops"]["2048x2048x2048"]
+    fig, ax = plt.subplots(figsize=(7, 5))
+    ai = np.logspace(-1, 3, 200)
+    ax.loglog(ai, np.minimum(peak, bw * ai), "k-", label=f"roof: min({peak:.0f} GFLOP/s, {bw:.0f} GB/s x FLOP/byte)")
+    for fmt, r in res["headline"].items():
+        ax.loglog(r["intensity"], r["achieved_gbs"] * r["intensity"], "o", label=f"decode {fmt}, batch 1")
+    for fmt, rows in res["batch"].items():
+        xs = [r["intensity"] for r in rows.values()]
+        ys = [r["gflops"] for r in rows.values()]
+        ax.loglog(xs, ys, ".--", label=f"decode {fmt}, batch " + ",".join(str(b) for b in rows))
+    pf = res["headline"]["fp32"]
+    ax.axhline(pf["prefill_gflops"], color="gray", ls=":", label=f"prefill fp32 ({pf['prefill_gflops']:.0f} GFLOP/s)")
+    ax.set_xlabel("arithmetic intensity (FLOP per byte read)")
+    ax.set_ylabel("achieved GFLOP/s")
+    ax.set_title("tinyllm on SmolLM2-135M: decode sits on the bandwidth roof")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(HERE / "roofline.png", dpi=120)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    mb = np.array([r["bytes_per_token_mb"] for r in res["headline"].values()])
+    ax.plot(mb, [r["decode_tok_s"] for r in res["headline"].values()], "o")
+    for fmt, r in res["headline"].items():
+        ax.annotate(fmt, (r["bytes_per_token_mb"], r["decode_tok_s"]), textcoords="offset points", xytext=(5, 5))
+    xs = np.linspace(mb.min() * 0.8, mb.max() * 1.1, 100)
+    ax.plot(xs, bw * 1e3 / xs, "k--", label=f"ceiling: {bw:.0f} GB/s / bytes per token")
+    ax.set_xlabel("MB read per decode token")
+    ax.set_ylabel("decode tok/s (batch 1)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(HERE / "decode_vs_bytes.png", dpi=120)
+
+
+def write_results(section: str, path: Path) -> None:
+    text = path.read_text() if path.exists() else "# Measured results\n"
+    if BEGIN in text:
+        text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip() + "\n\n" + section + "\n"
+    path.write_text(text)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--quick", action="store_true", help="fewer points (smoke test; do not publish)")
+    p.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md and the plots alone")
+    args = p.parse_args()
+    args.contexts = [0, 256, 512, 1024, 2048]
+    args.batches = [1, 2, 4, 8, 16, 32, 64]
+    args.batch_formats = ["fp32", "int8", "q4_1"]
+    if args.quick:
+        args.steps, args.rounds, args.contexts, args.batches = 6, 1, [0, 512], [1, 4]
+        args.batch_formats = ["fp32"]
+    res = run(args)
+    section = markdown(res, args)
+    print(section)
+    if not args.no_write:
+        (HERE / "roofline.json").write_text(json.dumps(res, indent=1, default=str))
+        write_results(section, HERE / "RESULTS.md")
+        plots(res)
+
+
+if __name__ == "__main__":
+    main()
