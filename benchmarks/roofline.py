@@ -18,9 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,27 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tinyllm  # noqa: E402  (first: it tunes OpenBLAS's thread spin before numpy loads it)
 import numpy as np  # noqa: E402
 
+from report import machine_info, machine_line, replace_section  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 FORMATS = ["fp32", "int8", "int8-block", "q4_1"]
 BEGIN, END = "<!-- roofline:begin -->", "<!-- roofline:end -->"
 
 
 # --- the machine ---------------------------------------------------------------------------------------------
-def machine_info() -> dict:
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        cpu = re.search(r"Model name:\s*(.+)", lscpu).group(1).strip()
-    except (OSError, AttributeError):
-        cpu = platform.processor() or "unknown"
-    import numba
-    from threadpoolctl import threadpool_info
-
-    blas = next((f"{i['internal_api']} {i['version']} ({i.get('architecture', '?')})" for i in threadpool_info()
-                 if i["user_api"] == "blas"), "unknown")
-    return dict(cpu=cpu, cores=os.cpu_count(), python=platform.python_version(), numpy=np.__version__,
-                numba=numba.__version__, blas=blas)
-
-
 def median_time(fn, repeats: int) -> float:
     fn()
     times = []
@@ -219,8 +203,7 @@ def markdown(res: dict, args) -> str:
     bw = res["bandwidth_gbs"][res["threads"]]
     peak = res["sgemm_gflops"]["2048x2048x2048"]
     out = [BEGIN, "## Roofline: decode is bound by the bytes it reads", "",
-           f"Measured {res['date']} with `{res['command']}` on {m['cpu']}, {m['cores']} cores, "
-           f"Python {m['python']}, numpy {m['numpy']} ({m['blas']}), numba {m['numba']}; "
+           f"Measured {res['date']} with `{res['command']}` on {machine_line(m)}; "
            f"{res['threads']} threads for BLAS and Numba. Default model SmolLM2-135M-Instruct.", "",
            f"- Streaming read bandwidth (Numba row sums over 1 GiB): "
            + ", ".join(f"{v:.1f} GB/s with {t} thread{'s' if t > 1 else ''}" for t, v in res["bandwidth_gbs"].items()),
@@ -300,15 +283,6 @@ def plots(res: dict) -> None:
     fig.savefig(HERE / "decode_vs_bytes.png", dpi=120)
 
 
-def write_results(section: str, path: Path) -> None:
-    text = path.read_text() if path.exists() else "# Measured results\n"
-    if BEGIN in text:
-        text = text[:text.index(BEGIN)] + section + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip() + "\n\n" + section + "\n"
-    path.write_text(text)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
@@ -330,7 +304,7 @@ def main() -> None:
     print(section)
     if not args.no_write:
         (HERE / "roofline.json").write_text(json.dumps(res, indent=1, default=str))
-        write_results(section, HERE / "RESULTS.md")
+        replace_section("roofline", section.replace(BEGIN, "").replace(END, ""))
         plots(res)
 
 
