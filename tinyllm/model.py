@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import ops
+from . import ops, paged
 from .config import ModelConfig
 from .kv_cache import ContiguousKVCache
 from .quant import QuantizedWeight
@@ -198,6 +198,11 @@ class Transformer:
             att = o.attention(q, k, v, start)                       # [T, H*Dh]
         else:                                                       # several: each against its own cache
             att = np.empty((T, H * Dh), dtype=np.float32)
+            # PagedAttention (Kwon et al. 2023): the one-token rows of sequences in one paged pool are attended in
+            # a single call that reads each sequence's blocks through its block table (paged.py); the rest loop.
+            batch, segments = paged.DecodeBatch.split(segments)
+            if batch is not None:
+                att[batch.rows] = batch.attend(i, q[batch.rows], k[batch.rows], v[batch.rows], self.backend)
             for rows, cache, start in segments:
                 k_s, v_s = k[rows], v[rows]
                 if cache is not None:
