@@ -18,6 +18,7 @@ import numpy as np
 from .sampling import SamplingParams, sample
 
 FINISH_REASONS = ("eos", "stop_string", "length", "context")
+KV_CHOICES = ("contiguous", "paged")
 
 
 @dataclass
@@ -87,11 +88,13 @@ class Stream:
 
 def stream(model, prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
            top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0, seed: int | None = None,
-           stop: Sequence[str] = (), chat: bool = False) -> Stream:
+           stop: Sequence[str] = (), chat: bool = False, kv: str = "contiguous") -> Stream:
     """Generate from `prompt` and yield text pieces as they decode (never half a UTF-8 character).
 
     prompt: a string (used as is, or wrapped in the model's chat template if `chat=True`), a list of chat
     messages ({"role", "content"} dicts, always templated), or a list of token ids.
+    kv: "contiguous" (one array reserved for the whole generation) or "paged" (blocks taken as the
+    sequence grows, paged.py); both give the same tokens.
     """
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                             repetition_penalty=repetition_penalty, seed=seed)
@@ -101,8 +104,10 @@ def stream(model, prompt, max_new_tokens: int = 256, temperature: float = 0.0, t
         stop = [stop]
     if any(not isinstance(s, str) or not s for s in stop):
         raise ValueError("stop strings must be non-empty strings")
+    if kv not in KV_CHOICES:
+        raise ValueError(f"unknown kv {kv!r}; choose one of: {', '.join(KV_CHOICES)}")
     holder: list = []
-    return Stream(_run(model, prompt, params, max_new_tokens, list(stop), chat, holder), holder)
+    return Stream(_run(model, prompt, params, max_new_tokens, list(stop), chat, holder, kv=kv), holder)
 
 
 def generate(model, prompt, **kwargs) -> GenerationResult:
@@ -132,6 +137,14 @@ def prompt_ids(model, prompt, chat: bool = False) -> list[int]:
     return ids
 
 
+def new_cache(model, max_seq_len: int, kv: str = "contiguous"):
+    """A KV cache for one generation: a contiguous reservation, or a sequence in a paged pool just big enough."""
+    if kv == "contiguous":
+        return model.new_cache(max_seq_len)
+    from .paged import PagedKVCache
+    return PagedKVCache(model.config, block_size=16, num_blocks=-(-max_seq_len // 16)).new_sequence()
+
+
 def end_token_ids(tokenizer) -> set[int]:
     """Ids that end a generation: the eos token, and `<|endoftext|>` when the vocabulary has it."""
     ends = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()
@@ -151,7 +164,7 @@ def _held_back(text: str, stops: list[str]) -> int:
 
 
 def _run(model, prompt, params: SamplingParams, max_new_tokens: int, stops: list[str], chat: bool,
-         holder: list) -> Iterator[str]:
+         holder: list, kv: str = "contiguous") -> Iterator[str]:
     t_start = time.perf_counter()
     tok = model.tokenizer
     ids = prompt_ids(model, prompt, chat)
@@ -162,7 +175,7 @@ def _run(model, prompt, params: SamplingParams, max_new_tokens: int, stops: list
     rng = params.make_rng()
     ends = end_token_ids(tok)
     stats = GenerationStats(prompt_tokens=len(ids))
-    cache = model.new_cache(min(ctx, len(ids) + max_new_tokens))
+    cache = new_cache(model, min(ctx, len(ids) + max_new_tokens), kv)
     stats.kv_bytes_per_token, stats.kv_cache_bytes = cache.bytes_per_token, cache.nbytes
 
     # --- prefill: the whole prompt in one pass -> logits for the first new token

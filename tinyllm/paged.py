@@ -35,7 +35,7 @@ class BlockAllocator:
     """Which physical block holds which part of which sequence. Knows nothing about K/V values.
 
     A block is in exactly one of three states:
-      free        ref 0, no content worth keeping                   -> `self.free` (a FIFO)
+      free        ref 0, no content worth keeping                   -> `self.free_list` (a FIFO)
       cached      ref 0, a full block registered in the prefix cache -> `self.evictable` (LRU order)
       in use      ref >= 1: listed in that many block tables
     Allocation takes a free block first and evicts the least recently used cached block only when none is left,
@@ -52,7 +52,7 @@ class BlockAllocator:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
         self.ref = [0] * num_blocks                        # [NB] how many block tables list each block
-        self.free: deque[int] = deque(range(num_blocks))   # ref 0, nothing cached
+        self.free_list: deque[int] = deque(range(num_blocks))   # ref 0, nothing cached
         self.evictable: OrderedDict[int, None] = OrderedDict()   # ref 0, cached; first = least recently used
         self.block_hash: list[int | None] = [None] * num_blocks  # key of a cached block, else None
         self.cached: dict[int, int] = {}                   # prefix key -> block id
@@ -64,7 +64,7 @@ class BlockAllocator:
     @property
     def num_free(self) -> int:
         """Blocks an allocation can take: truly free plus evictable cached ones."""
-        return len(self.free) + len(self.evictable)
+        return len(self.free_list) + len(self.evictable)
 
     @property
     def num_used(self) -> int:
@@ -95,7 +95,7 @@ class BlockAllocator:
                 table.append(block)
                 keys.append(key)
         n_new = self.blocks_for(n) - len(table)
-        if n_new > len(self.free) + len(self.evictable) - sum(1 for b in table if self.ref[b] == 0):
+        if n_new > len(self.free_list) + len(self.evictable) - sum(1 for b in table if self.ref[b] == 0):
             raise OutOfBlocks(f"sequence {seq_id!r} needs {n_new} new blocks, {self.num_free} free")
         for b in table:                                    # take the hits first, so eviction cannot take them
             self._take(b)
@@ -173,8 +173,8 @@ class BlockAllocator:
 
     # ---- block states
     def _pop_free(self) -> int:
-        if self.free:
-            b = self.free.popleft()
+        if self.free_list:
+            b = self.free_list.popleft()
         elif self.evictable:                               # LRU eviction of an unreferenced cached block
             b, _ = self.evictable.popitem(last=False)
             self._uncache(b)
@@ -195,14 +195,14 @@ class BlockAllocator:
             if self.block_hash[b] is not None:
                 self.evictable[b] = None                   # most recently used end
             else:
-                self.free.append(b)
+                self.free_list.append(b)
 
     def _uncache(self, b: int) -> None:
         del self.cached[self.block_hash[b]]
         self.block_hash[b] = None
         if b in self.evictable:
             del self.evictable[b]
-            self.free.append(b)
+            self.free_list.append(b)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (used by the tests after every operation)."""
@@ -211,8 +211,8 @@ class BlockAllocator:
             for b in table:
                 counted[b] += 1
         assert counted == self.ref, "ref counts differ from the number of tables listing each block"
-        free, evict = set(self.free), set(self.evictable)
-        assert len(free) == len(self.free) and not free & evict, "a block is listed twice among the unused"
+        free, evict = set(self.free_list), set(self.evictable)
+        assert len(free) == len(self.free_list) and not free & evict, "a block is listed twice among the unused"
         assert all(self.ref[b] == 0 for b in free | evict), "an unused block has references"
         assert len(free) + len(evict) + sum(r > 0 for r in self.ref) == self.num_blocks, "free + used != total"
         assert all(self.block_hash[b] is None for b in free), "a free block is still in the prefix cache"
