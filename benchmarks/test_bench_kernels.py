@@ -1,0 +1,74 @@
+"""pytest-benchmark suites for every kernel and its numpy twin (not part of the default test run).
+
+    pytest benchmarks/ --benchmark-only --benchmark-columns=median,iqr,ops
+
+Each benchmark records the bytes it must read in `extra_info`, so GB/s = bytes / median.
+Threads are pinned to 2 for BLAS and Numba.
+"""
+import numpy as np
+import pytest
+
+import tinyllm
+from tinyllm import kernels, ops, quant
+
+tinyllm.set_threads(min(2, __import__("os").cpu_count()))
+RNG = np.random.default_rng(0)
+SHAPES = {"ffn_gate_up": (3072, 576), "lm_head": (49152, 576)}
+
+
+def weight(fmt, shape):
+    w = RNG.normal(0, 0.05, shape).astype(np.float32)
+    return w if fmt == "fp32" else quant.quantize(w, fmt)
+
+
+@pytest.mark.parametrize("M", [1, 8])
+@pytest.mark.parametrize("shape_name", list(SHAPES))
+@pytest.mark.parametrize("fmt", ["fp32", "int8", "int8-block", "q4_1"])
+def test_linear_numba(benchmark, fmt, shape_name, M):
+    w = weight(fmt, SHAPES[shape_name])
+    x = RNG.normal(size=(M, w.shape[1])).astype(np.float32)
+    kernels.linear(x, w)
+    nbytes = w.nbytes
+    benchmark.extra_info.update(bytes=nbytes, format=fmt, M=M)
+    benchmark(kernels.linear, x, w)
+    benchmark.extra_info["GB/s"] = nbytes / benchmark.stats.stats.median / 1e9
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "int8", "q4_1"])
+def test_linear_numpy_twin(benchmark, fmt):
+    w = weight(fmt, SHAPES["ffn_gate_up"])
+    x = RNG.normal(size=(1, w.shape[1])).astype(np.float32)
+    benchmark.extra_info.update(bytes=w.nbytes, format=fmt)
+    benchmark(ops.linear, x, w)
+
+
+@pytest.mark.parametrize("S", [256, 2048])
+@pytest.mark.parametrize("impl", ["numba", "numpy"])
+def test_decode_attention(benchmark, impl, S):
+    q = RNG.normal(size=(1, 9, 64)).astype(np.float32)
+    k = RNG.normal(size=(S, 3, 64)).astype(np.float32)
+    v = RNG.normal(size=(S, 3, 64)).astype(np.float32)
+    fn = kernels.attention if impl == "numba" else ops.attention
+    fn(q, k, v, S - 1)
+    benchmark.extra_info["bytes"] = k.nbytes + v.nbytes
+    benchmark(fn, q, k, v, S - 1)
+
+
+@pytest.mark.parametrize("impl", ["numba", "numpy"])
+def test_small_ops_per_token(benchmark, impl):
+    """rmsnorm + rope on q and k + swiglu for one token: the per-layer glue of a decode step."""
+    o = kernels if impl == "numba" else ops
+    x = RNG.normal(size=(1, 576)).astype(np.float32)
+    w = np.ones(576, np.float32)
+    q = RNG.normal(size=(1, 9, 64)).astype(np.float32)
+    cos, sin = ops.rope_tables(64, 8, 1e5)
+    gu = RNG.normal(size=(1, 3072)).astype(np.float32)
+
+    def glue():
+        o.rmsnorm(x, w, 1e-5)
+        o.apply_rope(q, cos[3:4], sin[3:4])
+        o.apply_rope(q[:, :3], cos[3:4], sin[3:4])
+        o.swiglu(gu)
+
+    glue()
+    benchmark(glue)
