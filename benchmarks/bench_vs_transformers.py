@@ -12,7 +12,8 @@ threadpoolctl.threadpool_limits (BLAS/OpenMP) and numba.set_num_threads. One war
 runs alternating between the engines; medians (and min-max) are printed, with the 1-minute load average
 (the machine is shared: compare figures only from quiet runs). The prompt is the first tokens of the long
 story prompt in the reference fixtures.
-Needs the `reference` extra (torch, transformers, gguf, accelerate). Prints only.
+Needs the `reference` extra (torch, transformers, gguf, accelerate). `--write` also puts the table into the
+"vs-transformers" section of benchmarks/RESULTS.md.
 """
 from __future__ import annotations
 
@@ -104,6 +105,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--gguf", default=None, help="GGUF file (default: the default model, fetched if missing)")
+    ap.add_argument("--write", action="store_true", help="write the table into benchmarks/RESULTS.md")
     args = ap.parse_args()
 
     import numba
@@ -126,7 +128,7 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     tiny = tinyllm.load(path)
     hf = reference.reference_model(path, threads=args.threads)
-    engines = (("tinyllm (numpy fp32)", run_tinyllm, tiny), ("transformers (torch fp32)", run_transformers, hf))
+    engines = (("tinyllm (fp32, numba)", run_tinyllm, tiny), ("transformers (torch fp32)", run_transformers, hf))
     samples: dict[str, list] = {name: [] for name, _, _ in engines}
     for name, run, model in engines:  # warm-up: first touch of weights, allocators, JIT
         run(model, ids, args.new_tokens)
@@ -137,26 +139,36 @@ def main() -> None:
     res_tiny, res_hf = (summarize(samples[name], len(ids)) for name, _, _ in engines)
 
     same = sum(a == b for a, b in zip(res_tiny["tokens"], res_hf["tokens"]))
-    print()
-    print(f"model      {path.name}, fp32 weights in both engines")
-    print(f"machine    {cpu_model()}, {args.threads} threads (torch, BLAS/OpenMP, numba)")
-    print(f"versions   python {platform.python_version()}, numpy {np.__version__}, torch {torch.__version__}, "
-          f"transformers {transformers.__version__}, numba {numba.__version__}")
-    print(f"load avg   {load_before:.2f} before, {os.getloadavg()[0]:.2f} after (1-min; above {args.threads} means "
-          "other processes shared the cores: expect noisy figures)")
-    print(f"workload   {len(ids)}-token prompt, {args.new_tokens} greedy decode steps; "
-          f"median of {args.runs} runs after 1 warm-up")
-    print()
-    print(f"{'engine':<26}{'prefill tok/s':>15}{'(min-max)':>15}{'decode tok/s':>14}{'(min-max)':>13}"
-          f"{'step ms':>9}")
-    for name, r in (("tinyllm (numpy fp32)", res_tiny), ("transformers (torch fp32)", res_hf)):
+    out: list[str] = []
+    out.append("")
+    out.append(f"model      {path.name}, fp32 weights in both engines")
+    out.append(f"machine    {cpu_model()}, {args.threads} threads (torch, BLAS/OpenMP, numba)")
+    out.append(f"versions   python {platform.python_version()}, numpy {np.__version__}, torch {torch.__version__}, "
+               f"transformers {transformers.__version__}, numba {numba.__version__}")
+    out.append(f"load avg   {load_before:.2f} before, {os.getloadavg()[0]:.2f} after (1-min; above {args.threads} means "
+               "other processes shared the cores: expect noisy figures)")
+    out.append(f"workload   {len(ids)}-token prompt, {args.new_tokens} greedy decode steps; "
+               f"median of {args.runs} runs after 1 warm-up")
+    out.append("")
+    out.append(f"{'engine':<26}{'prefill tok/s':>15}{'(min-max)':>15}{'decode tok/s':>14}{'(min-max)':>13}"
+               f"{'step ms':>9}")
+    for name, r in (("tinyllm (fp32, numba)", res_tiny), ("transformers (torch fp32)", res_hf)):
         (p0, p1), (d0, d1) = r["prefill_range"], r["decode_range"]
-        print(f"{name:<26}{r['prefill']:>15.1f}{f'{p0:.0f}-{p1:.0f}':>15}{r['decode']:>14.1f}"
+        out.append(f"{name:<26}{r['prefill']:>15.1f}{f'{p0:.0f}-{p1:.0f}':>15}{r['decode']:>14.1f}"
               f"{f'{d0:.1f}-{d1:.1f}':>13}{r['itl_ms']:>9.2f}")
-    print(f"{'ratio tinyllm/transformers':<26}{res_tiny['prefill'] / res_hf['prefill']:>15.2f}{'':>15}"
-          f"{res_tiny['decode'] / res_hf['decode']:>14.2f}{'':>13}{res_tiny['itl_ms'] / res_hf['itl_ms']:>9.2f}")
-    print()
-    print(f"greedy tokens identical: {same}/{len(res_tiny['tokens'])}")
+    out.append(f"{'ratio tinyllm/transformers':<26}{res_tiny['prefill'] / res_hf['prefill']:>15.2f}{'':>15}"
+               f"{res_tiny['decode'] / res_hf['decode']:>14.2f}{'':>13}{res_tiny['itl_ms'] / res_hf['itl_ms']:>9.2f}")
+    out.append("")
+    out.append(f"greedy tokens identical: {same}/{len(res_tiny['tokens'])}")
+    print("\n".join(out))
+    if args.write:
+        sys.path.insert(0, str(REPO / "benchmarks"))
+        from report import replace_section
+
+        cmd = "python benchmarks/bench_vs_transformers.py " + " ".join(sys.argv[1:])
+        replace_section("vs-transformers", "## tinyllm vs Hugging Face transformers (fp32, same threads)\n\n"
+                        f"Measured {time.strftime('%Y-%m-%d %H:%M')} with `{cmd.strip()}`:\n\n```\n"
+                        + "\n".join(out).strip() + "\n```")
 
 
 if __name__ == "__main__":
