@@ -281,26 +281,31 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
     return out.reshape(1, -1)
 
 
-_warm = False
+_warmed: set = set()
 
 
-def warmup() -> float:
-    """Compile (or load from the on-disk cache) every kernel on tiny inputs, once per process.
-    -> seconds it took (0 after the first call)."""
-    global _warm
-    if _warm:
-        return 0.0
-    _warm = True
+def warmup(weight_types=(np.ndarray, Int8Channel, Int8Block, Q4Block)) -> float:
+    """Compile (or load from Numba's on-disk cache) the kernels a model needs, on tiny inputs shaped and laid out
+    as the model passes them (a new array layout would mean a new compile in the middle of a request).
+    weight_types: the weight classes the model holds. -> seconds it took (0 if nothing was left to do)."""
     t0 = time.perf_counter()
     x = np.ones((1, BLOCK), dtype=np.float32)
     out = np.empty((1, 2), dtype=np.float32)
-    linear_f32(np.ones((2, BLOCK), np.float32), x, out)
-    linear_int8_channel(np.ones((2, BLOCK), np.int8), np.ones(2, np.float32), x, out)
-    linear_int8_block(np.ones((2, BLOCK), np.int8), np.ones((2, 1), np.float32), x, out)
-    linear_q4(np.ones((2, BLOCK // 2), np.uint8), np.ones((2, 1), np.float32), np.ones((2, 1), np.float32), x, out)
-    kv = np.ones((3, 1, 4), dtype=np.float32)
-    attention(np.ones((1, 2, 4), np.float32), kv, kv, 2)
-    rmsnorm(x, x[0], 1e-5)
-    apply_rope(np.ones((1, 2, 4), np.float32), np.ones((1, 2), np.float32), np.ones((1, 2), np.float32))
-    swiglu(np.ones((1, 4), np.float32))
+    one, two = np.ones(2, np.float32), np.ones((2, 1), np.float32)
+    examples = {np.ndarray: lambda: linear_f32(np.ones((2, BLOCK), np.float32), x, out),
+                Int8Channel: lambda: linear_int8_channel(np.ones((2, BLOCK), np.int8), one, x, out),
+                Int8Block: lambda: linear_int8_block(np.ones((2, BLOCK), np.int8), two, x, out),
+                Q4Block: lambda: linear_q4(np.ones((2, BLOCK // 2), np.uint8), two, two, x, out)}
+    for t in weight_types:
+        if t not in _warmed:
+            examples[t]()
+            _warmed.add(t)
+    if "ops" not in _warmed:
+        kv = np.ones((3, 1, 4), dtype=np.float32)
+        attention(np.ones((1, 2, 4), np.float32), kv, kv, 2)
+        rmsnorm(x, x[0], 1e-5)
+        qkv = np.ones((1, 16), dtype=np.float32)                    # q and k are strided views of the qkv row
+        apply_rope(qkv[:, :8].reshape(1, 2, 4), np.ones((1, 2), np.float32), np.ones((1, 2), np.float32))
+        swiglu(np.ones((1, 4), np.float32))
+        _warmed.add("ops")
     return time.perf_counter() - t0

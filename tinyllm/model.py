@@ -66,7 +66,6 @@ class Transformer:
         self.quant = quant or "fp32"
         self.quant_report = quant_report or []
         self.jit_s = 0.0                    # seconds spent compiling / loading kernels (numba backend)
-        self.backend = backend              # validated by the property setter below
         c = config
         self.tok_embed = weights["tok_embed"]                      # [V, D]
         self.lm_head = weights.get("lm_head", self.tok_embed)      # [V, D]; the same array when tied
@@ -87,6 +86,7 @@ class Transformer:
             ))
         if c.arch == "llama":  # one table of rotation angles for every position the model supports
             self.rope_cos, self.rope_sin = ops.rope_tables(c.head_dim, c.context_length, c.rope_theta)
+        self.backend = backend              # validated (and kernels warmed up) by the property setter below
 
     @property
     def backend(self) -> str:
@@ -98,7 +98,8 @@ class Transformer:
             raise ValueError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
         if name == "numba":
             from . import kernels
-            self.jit_s = kernels.warmup()   # compile, or load from numba's on-disk cache: not part of any step
+            # compile (or load from numba's on-disk cache) what this model needs: not part of any step
+            self.jit_s = kernels.warmup({type(w) for w in self._matrices()})
             self.ops = kernels              # the same function names as ops.py, hot ones as Numba kernels
         else:
             self.ops = ops
@@ -164,8 +165,11 @@ class Transformer:
         x = self._embed(np.concatenate(ids))                        # [N, D]
         if self.pos_embed is not None:                              # gpt2: learned absolute positions
             x = x + self.pos_embed[positions]
+            rope = None
+        else:                                                       # llama: each row's rotation angles
+            rope = self.rope_cos[positions], self.rope_sin[positions]   # 2 x [N, Dh/2]
         for i, layer in enumerate(self.layers):
-            x = self._block(x, layer, i, positions, segments)       # [N, D]
+            x = self._block(x, layer, i, rope, segments)            # [N, D]
         for rows, cache, start in segments:
             if cache is not None:
                 cache.length = start + (rows.stop - rows.start)
@@ -177,7 +181,7 @@ class Transformer:
             return [logits[j:j + 1] for j in range(len(segments))]
         return [logits[rows] for rows, _, _ in segments]
 
-    def _block(self, x, layer: LayerWeights, i: int, positions: np.ndarray, segments: list) -> np.ndarray:
+    def _block(self, x, layer: LayerWeights, i: int, rope, segments: list) -> np.ndarray:
         """One transformer block: x + attention(norm(x)), then x + mlp(norm(x)). x: [N, D] -> [N, D]"""
         c, o = self.config, self.ops
         T, H, KVH, Dh = x.shape[0], c.n_heads, c.n_kv_heads, c.head_dim
@@ -188,9 +192,8 @@ class Transformer:
         q = qkv[:, :H * Dh].reshape(T, H, Dh)                       # [T, H, Dh]
         k = qkv[:, H * Dh:(H + KVH) * Dh].reshape(T, KVH, Dh)      # [T, KVH, Dh]
         v = qkv[:, (H + KVH) * Dh:].reshape(T, KVH, Dh)            # [T, KVH, Dh]
-        if c.arch == "llama":                                       # rotate q and k by their positions
-            cos, sin = self.rope_cos[positions], self.rope_sin[positions]   # [T, Dh/2]
-            q, k = o.apply_rope(q, cos, sin), o.apply_rope(k, cos, sin)
+        if rope is not None:                                        # rotate q and k by their positions
+            q, k = o.apply_rope(q, *rope), o.apply_rope(k, *rope)
         if len(segments) == 1:                                      # one sequence: attend over its whole history
             _, cache, start = segments[0]
             if cache is not None:                                   # store this step's K/V, read back all of it
@@ -217,6 +220,13 @@ class Transformer:
         else:
             h = o.gelu_tanh(o.linear(h, layer.w_in, layer.b_in))    # [T, F]
         return x + o.linear(h, layer.w_out, layer.b_out)            # [T, D]
+
+    def _matrices(self) -> list:
+        """Every weight that goes through `linear`."""
+        mats = [self.lm_head]
+        for layer in self.layers:
+            mats += [layer.wqkv, layer.wo, layer.w_in, layer.w_out]
+        return mats
 
     def _embed(self, ids: np.ndarray) -> np.ndarray:
         """Rows of the embedding table for `ids` (dequantized row by row if the table is quantized). -> [T, D]"""
