@@ -31,6 +31,7 @@ class GenerationStats:
     itl_s: list[float] = field(default_factory=list)   # one entry per token after the first
     kv_bytes_per_token: int = 0
     kv_cache_bytes: int = 0           # reserved for this request
+    speculative: object = None        # speculative.SpeculativeStats when decoding speculatively
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -50,6 +51,7 @@ class GenerationStats:
 
     def as_dict(self) -> dict:
         d = {k: v for k, v in vars(self).items()}
+        d["speculative"] = self.speculative.as_dict() if self.speculative is not None else None
         d.update(prefill_tokens_per_s=self.prefill_tokens_per_s, decode_tokens_per_s=self.decode_tokens_per_s,
                  itl_mean_s=self.itl_mean_s, itl_p95_s=self.itl_p95_s)
         return d
@@ -58,7 +60,8 @@ class GenerationStats:
         return (f"prompt {self.prompt_tokens} tok | generated {self.generated_tokens} tok | "
                 f"TTFT {self.ttft_s * 1e3:.0f} ms | prefill {self.prefill_tokens_per_s:.0f} tok/s | "
                 f"decode {self.decode_tokens_per_s:.1f} tok/s | "
-                f"ITL mean {self.itl_mean_s * 1e3:.1f} ms p95 {self.itl_p95_s * 1e3:.1f} ms")
+                f"ITL mean {self.itl_mean_s * 1e3:.1f} ms p95 {self.itl_p95_s * 1e3:.1f} ms"
+                + (f"\n{self.speculative.summary()}" if self.speculative is not None else ""))
 
 
 @dataclass
@@ -88,13 +91,16 @@ class Stream:
 
 def stream(model, prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
            top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0, seed: int | None = None,
-           stop: Sequence[str] = (), chat: bool = False, kv: str = "contiguous") -> Stream:
+           stop: Sequence[str] = (), chat: bool = False, speculative=None, num_draft: int = 4,
+           kv: str = "contiguous") -> Stream:
     """Generate from `prompt` and yield text pieces as they decode (never half a UTF-8 character).
 
     prompt: a string (used as is, or wrapped in the model's chat template if `chat=True`), a list of chat
     messages ({"role", "content"} dicts, always templated), or a list of token ids.
     kv: "contiguous" (one array reserved for the whole generation) or "paged" (blocks taken as the
     sequence grows, paged.py); both give the same tokens.
+    speculative: a draft source ("self-q4", "self-int8", "layers:N", "ngram", "draft=PATH", or an object from
+    speculative.make_draft) to draft `num_draft` tokens per target pass; the output distribution is unchanged.
     """
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                             repetition_penalty=repetition_penalty, seed=seed)
@@ -104,10 +110,15 @@ def stream(model, prompt, max_new_tokens: int = 256, temperature: float = 0.0, t
         stop = [stop]
     if any(not isinstance(s, str) or not s for s in stop):
         raise ValueError("stop strings must be non-empty strings")
+    if speculative is not None:
+        from .speculative import make_draft
+        if not isinstance(num_draft, int) or isinstance(num_draft, bool) or num_draft < 1:
+            raise ValueError(f"invalid num_draft={num_draft!r}: must be an integer >= 1")
+        speculative = (make_draft(model, speculative), num_draft)
     if kv not in KV_CHOICES:
         raise ValueError(f"unknown kv {kv!r}; choose one of: {', '.join(KV_CHOICES)}")
     holder: list = []
-    return Stream(_run(model, prompt, params, max_new_tokens, list(stop), chat, holder, kv=kv), holder)
+    return Stream(_run(model, prompt, params, max_new_tokens, list(stop), chat, holder, speculative, kv), holder)
 
 
 def generate(model, prompt, **kwargs) -> GenerationResult:
@@ -163,8 +174,18 @@ def _held_back(text: str, stops: list[str]) -> int:
     return hold
 
 
+def _plain_tokens(model, ids: list[int], cache, logits, params: SamplingParams, rng) -> Iterator[int]:
+    """Plain decoding: sample a token, feed it back through the model, repeat; one token per model pass."""
+    history = list(ids)          # for the repetition penalty
+    while True:
+        next_id = sample(logits, params, rng, history)
+        yield next_id
+        history.append(next_id)
+        logits = model.decode_step(next_id, cache)                       # [V]
+
+
 def _run(model, prompt, params: SamplingParams, max_new_tokens: int, stops: list[str], chat: bool,
-         holder: list, kv: str = "contiguous") -> Iterator[str]:
+         holder: list, speculative=None, kv: str = "contiguous") -> Iterator[str]:
     t_start = time.perf_counter()
     tok = model.tokenizer
     ids = prompt_ids(model, prompt, chat)
@@ -183,14 +204,20 @@ def _run(model, prompt, params: SamplingParams, max_new_tokens: int, stops: list
     logits = model.prefill(ids, cache)                                   # [V]
     stats.prefill_s = time.perf_counter() - t0
 
+    if speculative is None:
+        tokens = _plain_tokens(model, ids, cache, logits, params, rng)
+    else:                        # draft several tokens, verify them in one pass (speculative.py)
+        from .speculative import SpeculativeStats, speculative_tokens
+        draft, k = speculative
+        stats.speculative = SpeculativeStats(source=draft.name, num_draft=k)
+        tokens = speculative_tokens(model, draft, ids, cache, logits, params, rng, k, max_new_tokens,
+                                    stats.speculative)
     decoder = tok.stream_decoder()
-    history = list(ids)          # for the repetition penalty
     out_ids: list[int] = []
     text, shown = "", 0          # all text decoded so far; how much of it has been yielded
     finish = "length"
     t_prev = None
-    while True:
-        next_id = sample(logits, params, rng, history)
+    for next_id in tokens:
         now = time.perf_counter()
         if t_prev is None:
             stats.ttft_s = now - t_start
@@ -201,7 +228,6 @@ def _run(model, prompt, params: SamplingParams, max_new_tokens: int, stops: list
             finish = "eos"
             break
         out_ids.append(next_id)
-        history.append(next_id)
         text += decoder.feed(next_id)
         hit = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
         if hit >= 0:                                                     # cut before the stop string
@@ -216,8 +242,7 @@ def _run(model, prompt, params: SamplingParams, max_new_tokens: int, stops: list
         if cache.length >= ctx:
             finish = "context"
             break
-        # --- decode: one token through the model, reading the cache
-        logits = model.decode_step(next_id, cache)                       # [V]
+        # --- decode: the next iteration runs the model (one token per pass, or a speculative round)
     stats.decode_s = sum(stats.itl_s)
     if finish != "stop_string":
         text += decoder.flush()
