@@ -42,6 +42,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object (ids, text, stats) instead of streaming")
     p.add_argument("--threads", type=int, default=None, help="threads for BLAS and Numba (default: all cores)")
+    p.add_argument("--speculative", default=None, metavar="SOURCE",
+                   help="speculative decoding with a draft: draft=PATH, self-int8, self-q4, layers:N or ngram "
+                        "(same output distribution; greedy output unchanged)")
+    p.add_argument("--num-draft", type=int, default=4, help="tokens drafted per target pass (with --speculative)")
     return p.parse_args(argv)
 
 
@@ -59,7 +63,8 @@ def main(argv=None) -> int:
         chat = not args.raw and model.tokenizer.chat_template is not None
         kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                       top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                      seed=args.seed, stop=args.stop, chat=chat, kv=args.kv)
+                      seed=args.seed, stop=args.stop, chat=chat, kv=args.kv, speculative=args.speculative,
+                      num_draft=args.num_draft)
         if args.json:
             res = tinyllm.generate(model, args.prompt, **kwargs)
         else:

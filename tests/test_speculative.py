@@ -275,3 +275,22 @@ def test_greedy_speculative_equals_plain_greedy_on_default_model(default_model, 
                 n = cache.length
                 assert r.cache.length == n
                 np.testing.assert_allclose(r.cache.k[:, :n], cache.k[:, :n], atol=2e-4)
+
+
+def test_cli_speculative(tiny_pair, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tiny_llama(tmp_path / "t.gguf", seed=0, ffn=64)
+    script = Path(__file__).resolve().parent.parent / "scripts" / "generate.py"
+    base = [sys.executable, str(script), "--model", str(tmp_path / "t.gguf"), "--prompt", "hello", "--raw",
+            "--json", "--max-new-tokens", "10"]
+    plain = json.loads(subprocess.run(base, capture_output=True, check=True, timeout=300).stdout)
+    r = subprocess.run(base + ["--speculative", "self-int8", "--num-draft", "3"], capture_output=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["token_ids"] == plain["token_ids"]
+    assert out["stats"]["speculative"]["source"] == "self-int8" and out["stats"]["speculative"]["drafted"] > 0
+    bad = subprocess.run(base + ["--speculative", "layers:x"], capture_output=True, timeout=300)
+    assert bad.returncode == 2 and b"layers:N" in bad.stderr
