@@ -227,6 +227,8 @@ class StepRecord:
     blocks_used: int
     paged_waste: float               # empty slots in allocated blocks / allocated slots
     contiguous_waste: float          # what a max-length reservation per running request would leave empty
+    running: int = 0                 # requests holding KV after the step
+    stored_tokens: int = 0           # positions they hold
 
 
 class Engine:
@@ -361,7 +363,7 @@ class Engine:
         reserved = sum(r.max_positions for r in running)          # a contiguous cache per request, sized for its max
         stored = sum(r.num_computed for r in running)
         self.steps.append(StepRecord(t0, self.clock(), slots, sum(n for _, n in batch), usage["blocks_used"],
-                                     usage["waste"], 1 - stored / reserved if reserved else 0.0))
+                                     usage["waste"], 1 - stored / reserved if reserved else 0.0, len(running), stored))
 
     # ---- metrics
     def metrics(self) -> "EngineMetrics":
