@@ -169,7 +169,7 @@ def main(argv=None) -> int:
 
     # 2. Poisson arrivals, widely mixed output lengths
     print("2. Poisson workload, static vs continuous", flush=True)
-    n, rate = (8, 4.0) if q else (24, 2.0)
+    n, rate = (8, 4.0) if q else (48, 8.0)
     wl = make_workload(model.tokenizer, n=n, rate=rate, prompt_len=(16, 128), output="lognormal",
                        output_len=(4, 32 if q else 128), seed=args.seed + 1)
     res["poisson"] = dict(n=n, rate=rate, max_num_seqs=8,

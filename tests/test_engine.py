@@ -217,3 +217,14 @@ def test_real_model_engine_equals_generate(default_model):
         ref = tinyllm.generate(default_model, p, max_new_tokens=16, stop=["\n\n\n"])
         assert engine.requests[str(i)].output_ids == ref.token_ids
         assert engine.requests[str(i)].text == ref.text
+
+
+def test_static_admits_its_whole_batch_even_when_prompts_exceed_the_token_budget(model):
+    engine = Engine(model, num_blocks=100, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, policy="static")
+    reqs = [(list(range(1, 13)), 5) for _ in range(6)]              # 4 x 12 prompt tokens > the 16-token budget
+    for i, (p, n) in enumerate(reqs):
+        engine.add_request(str(i), p, max_tokens=n)
+    engine.step()
+    assert len(engine.scheduler.running) == 4 and len(engine.scheduler.waiting) == 2
+    list(engine.run())
+    assert all(engine.requests[str(i)].output_ids == reference(model, p, n) for i, (p, n) in enumerate(reqs))

@@ -142,18 +142,21 @@ class Scheduler:
             if self._reserve(req, n):
                 batch.append((req, n))
                 budget -= n
-        while admit and self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+        while admit and self.waiting and len(self.running) < self.max_num_seqs:
+            if budget == 0 and self.policy == "continuous":
+                break                                             # admit only what can start now
             req = self.waiting[0]
             if not self._admit(req, now):
                 break                                             # no blocks: wait for running requests to end
-            n = self._chunk(req, budget, batch_empty=not batch)
-            if n == 0 or not self._reserve(req, n, preempt=False):
+            n = self._chunk(req, budget, batch_empty=not batch)  # static: may be 0, the prompt starts next step
+            if not self._reserve(req, n, preempt=False):
                 self._evict(req)                                  # give the blocks back; try again next step
                 break
             self.waiting.popleft()
             self.running.append(req)
-            batch.append((req, n))
-            budget -= n
+            if n:
+                batch.append((req, n))
+                budget -= n
         return batch
 
     def _chunk(self, req: Request, budget: int, batch_empty: bool) -> int:
