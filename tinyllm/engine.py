@@ -131,7 +131,7 @@ class Scheduler:
 
     def schedule(self, now: float) -> list[tuple[Request, int]]:
         """-> [(request, number of its next tokens to run)] for this step; reserves their KV slots."""
-        batch, budget = [], self.max_num_batched_tokens
+        batch, budget, preemptions = [], self.max_num_batched_tokens, self.num_preemptions
         admit = self.policy == "continuous" or not self.running   # static: a new batch only when the old is done
         for req in list(self.running):
             if req.status != "running":                           # preempted earlier in this loop
@@ -142,6 +142,7 @@ class Scheduler:
             if self._reserve(req, n):
                 batch.append((req, n))
                 budget -= n
+        admit = admit and self.num_preemptions == preemptions     # memory just ran out: admit nobody this step
         while admit and self.waiting and len(self.running) < self.max_num_seqs:
             if budget == 0 and self.policy == "continuous":
                 break                                             # admit only what can start now
