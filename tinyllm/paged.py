@@ -444,13 +444,14 @@ def _paged_decode_kernel(q, k_blocks, v_blocks, block_tables, context_lens, out)
     for task in prange(B * KVH):
         b, kvh = task // KVH, task % KVH
         S = context_lens[b]
-        scores = np.empty((G, S), dtype=np.float32)
+        qg = q[b, kvh * G:(kvh + 1) * G]                          # [G, Dh] the query heads of this KV head
+        scores = np.empty((G, S), dtype=np.float32)              # [G, S]
         for s in range(S):                                       # q . k, position s found via the block table
-            blk, off = block_tables[b, s // BS], s % BS
+            k_row = k_blocks[block_tables[b, s // BS], s % BS, kvh]   # [Dh]
             for g in range(G):
                 acc = np.float32(0.0)
                 for j in range(Dh):
-                    acc += q[b, kvh * G + g, j] * k_blocks[blk, off, kvh, j]
+                    acc += qg[g, j] * k_row[j]
                 scores[g, s] = acc * scale
         for g in range(G):                                       # softmax over the S positions
             m = scores[g, 0]
@@ -461,13 +462,14 @@ def _paged_decode_kernel(q, k_blocks, v_blocks, block_tables, context_lens, out)
                 e = np.exp(scores[g, s] - m)
                 scores[g, s] = e
                 total += e
+            inv = np.float32(1.0) / total
             for s in range(S):
-                scores[g, s] /= total
-            for j in range(Dh):
-                out[b, kvh * G + g, j] = 0.0
-        for s in range(S):                                       # weighted sum of v, one read of each row
-            blk, off = block_tables[b, s // BS], s % BS
+                scores[g, s] *= inv
+        acc_out = np.zeros((G, Dh), dtype=np.float32)            # [G, Dh] weighted sum of v, in registers/L1
+        for s in range(S):
+            v_row = v_blocks[block_tables[b, s // BS], s % BS, kvh]   # [Dh]
             for g in range(G):
                 p = scores[g, s]
                 for j in range(Dh):
-                    out[b, kvh * G + g, j] += p * v_blocks[blk, off, kvh, j]
+                    acc_out[g, j] += p * v_row[j]
+        out[b, kvh * G:(kvh + 1) * G] = acc_out
