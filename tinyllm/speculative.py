@@ -320,6 +320,9 @@ def speculative_tokens(target, draft, prompt_ids: Sequence[int], cache, logits: 
                n + a = n' - 1, and the invariant holds again. The draft holds n+k-1 positions: truncate to
                n + a if a < k; if a == k it holds only n+k-1 = n'-2 and catches up next round by feeding
                dk and t together.
+    Example: a 10-token prompt and the first sampled token give n = 11; both caches hold positions 0 .. 9.
+    With k = 4 the draft fills positions 10 .. 13 (it feeds seq[10], d1, d2, d3), the target 10 .. 14. If a = 2,
+    seq gets d1, d2, t (n' = 14) and both caches are cut to 13 positions: 0 .. 12 = prompt, seq[10], d1, d2.
     """
     seq = list(prompt_ids)
     first = sample(logits, params, rng, seq)         # the first token comes from the prefill, as in plain decode
