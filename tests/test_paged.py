@@ -226,3 +226,14 @@ def test_real_model_paged_equals_contiguous(default_model):
     a = tinyllm.generate(default_model, prompt, max_new_tokens=24, kv="contiguous")
     b = tinyllm.generate(default_model, prompt, max_new_tokens=24, kv="paged")
     assert b.token_ids == a.token_ids and len(a.token_ids) == 24
+
+
+def test_copy_on_write_without_a_free_block_raises_before_changing_anything():
+    a = BlockAllocator(num_blocks=2, block_size=2)
+    a.allocate("p", [1, 2, 3])                             # 2 blocks: the pool is full
+    a.fork("p", "c")
+    before = (list(a.tables["c"]), list(a.ref))
+    with pytest.raises(OutOfBlocks):
+        a.make_writable("c", 0, 4)                         # both blocks shared, nothing free to copy into
+    assert (a.tables["c"], a.ref) == before
+    a.check_invariants()

@@ -121,6 +121,9 @@ class BlockAllocator:
         copy. A cached block owned by this sequence alone leaves the prefix cache (its content is changing).
         """
         table, bs, copies = self.tables[seq_id], self.block_size, []
+        shared = sum(1 for b in table[start // bs:self.blocks_for(end)] if self.ref[b] > 1)
+        if shared > self.num_free:                         # all or nothing: never leave a copy half-recorded
+            raise OutOfBlocks(f"sequence {seq_id!r} needs {shared} blocks for copy-on-write, {self.num_free} free")
         for i in range(start // bs, self.blocks_for(end)):
             b = table[i]
             if self.ref[b] > 1:
