@@ -228,3 +228,25 @@ def test_static_admits_its_whole_batch_even_when_prompts_exceed_the_token_budget
     assert len(engine.scheduler.running) == 4 and len(engine.scheduler.waiting) == 2
     list(engine.run())
     assert all(engine.requests[str(i)].output_ids == reference(model, p, n) for i, (p, n) in enumerate(reqs))
+
+
+class LetterTokenizer:
+    """Token i decodes to one letter; no end-of-sequence token (enough for the engine's text handling)."""
+    eos_id, special_ids = None, []
+
+    def stream_decoder(self):
+        return type("Dec", (), {"feed": staticmethod(lambda i: chr(97 + i % 26)), "flush": staticmethod(lambda: "")})()
+
+
+def test_stop_string_cuts_the_text_and_is_never_streamed():
+    m = random_model("llama", context_length=128)
+    m.tokenizer = LetterTokenizer()
+    prompt = [3, 1, 4, 1, 5]
+    letters = "".join(chr(97 + t % 26) for t in reference(m, prompt, 20))
+    stop = letters[6:8]                                             # a stop string the output will meet
+    engine = Engine(m, num_blocks=20, block_size=4)
+    engine.add_request("a", prompt, max_tokens=20, stop=[stop])
+    events = list(engine.run())
+    req = engine.requests["a"]
+    assert req.finish_reason == "stop_string" and req.text == letters[:letters.index(stop)]
+    assert "".join(e.text for e in events) == req.text              # no piece of the stop string leaked out

@@ -22,6 +22,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from .generate import _held_back, end_token_ids
 from .paged import OutOfBlocks, PagedKVCache, SequenceCache
 from .sampling import SamplingParams, sample
 
@@ -76,6 +77,7 @@ class Request:
     metrics: RequestMetrics
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
+    shown: int = 0                   # characters of text already sent in events
     status: str = "waiting"          # waiting -> running (-> waiting if preempted) -> finished
     finish_reason: str | None = None # "eos", "stop_string", "length", "abort"
     num_computed: int = 0            # leading tokens of all_ids whose K/V are in the cache
@@ -255,7 +257,6 @@ class Engine:
         self.steps: list[StepRecord] = []
         self._ends = set()
         if model.tokenizer is not None:
-            from .generate import end_token_ids
             self._ends = end_token_ids(model.tokenizer)
 
     # ---- requests in
@@ -335,28 +336,29 @@ class Engine:
             yield from self.step()
 
     def _accept(self, req: Request, token: int, now: float) -> RequestOutput:
+        """Record a sampled token: stop conditions, text, timing. -> its event (text held back while it could
+        still be the start of a stop string, as in generate.py)."""
         m = req.metrics
         if m.first_token is None:
             m.first_token = now
         m.token_times.append(now)
-        piece, reason = "", None
+        reason = None
         if token in req.stop_token_ids:
             reason = "eos"
         else:
             req.output_ids.append(token)
             if req.decoder is not None:
-                piece = req.decoder.feed(token)
-                req.text += piece
+                req.text += req.decoder.feed(token)
                 hit = min((i for i in (req.text.find(s) for s in req.stop) if i >= 0), default=-1)
-                if hit >= 0:
-                    piece = piece[:max(0, len(piece) - (len(req.text) - hit))]
+                if hit >= 0:                                      # cut before the stop string
                     req.text, reason = req.text[:hit], "stop_string"
             if reason is None and len(req.output_ids) >= req.max_tokens:
                 reason = "length"
+        if reason in ("eos", "length") and req.decoder is not None:
+            req.text += req.decoder.flush()
+        safe = len(req.text) if reason else len(req.text) - _held_back(req.text, list(req.stop))
+        piece, req.shown = req.text[req.shown:safe], max(req.shown, safe)
         if reason is not None:
-            if reason != "stop_string" and req.decoder is not None:
-                tail = req.decoder.flush()
-                piece, req.text = piece + tail, req.text + tail
             req.finish_reason, m.finished = reason, now
             self.scheduler.finish(req)
         return RequestOutput(req.request_id, None if reason == "eos" else token, piece, reason is not None, reason)
