@@ -28,19 +28,31 @@ layernorm, gelu_tanh, softmax, silu, rope_tables = ops.layernorm, ops.gelu_tanh,
 
 # --- linear layers: out[m, o] = sum_i W[o, i] * x[m, i], for M = 1 (decode) up to a few dozen rows ---------
 # Loop order: each thread owns a range of output rows o; the weight row is read from memory once and, while it
-# is in cache, dotted with every one of the M input rows. So M rows cost about one weight read (batching).
+# is in cache, used for every one of the M input rows. So M rows cost about one weight read (batching).
+# With M > 1 the rows go four at a time (the caller pads M to a multiple of 4): each weight value is loaded and
+# dequantized once and feeds four multiply-adds, instead of being re-read and re-converted for every row.
 
 @njit(**_JIT)
 def linear_f32(w, x, out):
-    """w [O, I] float32, x [M, I] -> out [M, O]"""
+    """w [O, I] float32, x [M, I] -> out [M, O] (M == 1, or a multiple of 4)"""
     O, I = w.shape
     M = x.shape[0]
     for o in prange(O):
-        for m in range(M):
+        if M == 1:
             acc = np.float32(0.0)
             for i in range(I):
-                acc += w[o, i] * x[m, i]
-            out[m, o] = acc
+                acc += w[o, i] * x[0, i]
+            out[0, o] = acc
+            continue
+        for m in range(0, M, 4):
+            a0 = a1 = a2 = a3 = np.float32(0.0)
+            for i in range(I):
+                wi = w[o, i]
+                a0 += wi * x[m, i]
+                a1 += wi * x[m + 1, i]
+                a2 += wi * x[m + 2, i]
+                a3 += wi * x[m + 3, i]
+            out[m, o], out[m + 1, o], out[m + 2, o], out[m + 3, o] = a0, a1, a2, a3
 
 
 @njit(**_JIT)
@@ -49,11 +61,22 @@ def linear_int8_channel(q, scale, x, out):
     O, I = q.shape
     M = x.shape[0]
     for o in prange(O):
-        for m in range(M):
+        s = scale[o]
+        if M == 1:
             acc = np.float32(0.0)
             for i in range(I):
-                acc += np.float32(q[o, i]) * x[m, i]
-            out[m, o] = acc * scale[o]
+                acc += np.float32(q[o, i]) * x[0, i]
+            out[0, o] = acc * s
+            continue
+        for m in range(0, M, 4):
+            a0 = a1 = a2 = a3 = np.float32(0.0)
+            for i in range(I):
+                wi = np.float32(q[o, i])
+                a0 += wi * x[m, i]
+                a1 += wi * x[m + 1, i]
+                a2 += wi * x[m + 2, i]
+                a3 += wi * x[m + 3, i]
+            out[m, o], out[m + 1, o], out[m + 2, o], out[m + 3, o] = a0 * s, a1 * s, a2 * s, a3 * s
 
 
 @njit(**_JIT)
@@ -66,11 +89,21 @@ def linear_int8_block(q, scale, x, out):
     O, I = q.shape
     M = x.shape[0]
     for o in prange(O):
-        for m in range(M):
+        if M == 1:
             acc = np.float32(0.0)
             for i in range(I):
-                acc += scale[o, i >> 5] * np.float32(q[o, i]) * x[m, i]
-            out[m, o] = acc
+                acc += scale[o, i >> 5] * np.float32(q[o, i]) * x[0, i]
+            out[0, o] = acc
+            continue
+        for m in range(0, M, 4):
+            a0 = a1 = a2 = a3 = np.float32(0.0)
+            for i in range(I):
+                wi = scale[o, i >> 5] * np.float32(q[o, i])
+                a0 += wi * x[m, i]
+                a1 += wi * x[m + 1, i]
+                a2 += wi * x[m + 2, i]
+                a3 += wi * x[m + 3, i]
+            out[m, o], out[m + 1, o], out[m + 2, o], out[m + 3, o] = a0, a1, a2, a3
 
 
 @njit(**_JIT)
@@ -82,6 +115,8 @@ def linear_q4(packed, d, mins, x, out):
         computed once per input row (xsum), not once per weight row;
       * byte k of block b holds values 32b+k (low nibble) and 32b+16+k (high nibble). Rearranging x once into
         xlo[16b+k] = x[32b+k] and xhi[16b+k] = x[32b+16+k] lines both up with byte 16b+k.
+    The nibbles are split in float arithmetic: integer shifts on uint8 are widened to 64-bit lanes by Numba's
+    typing, which halves the vector width (measured 2x slower).
     """
     O, half = packed.shape
     M = x.shape[0]
@@ -96,18 +131,34 @@ def linear_q4(packed, d, mins, x, out):
                 xhi[m, b * 16 + k] = x[m, b * 32 + 16 + k]
                 xsum[m, b] += x[m, b * 32 + k] + x[m, b * 32 + 16 + k]
     for o in prange(O):
-        for m in range(M):
+        if M == 1:
             acc = np.float32(0.0)
             for i in range(half):
-                # split the byte into its two nibbles in float arithmetic: integer shifts on uint8 are widened
-                # to 64-bit lanes by Numba's typing, which halves the vector width (measured 2x slower)
                 byte = np.float32(packed[o, i])
                 hi = np.floor(byte * np.float32(0.0625))                 # byte >> 4
                 lo = byte - np.float32(16.0) * hi                        # byte & 15
-                acc += d[o, i >> 4] * (lo * xlo[m, i] + hi * xhi[m, i])
+                acc += d[o, i >> 4] * (lo * xlo[0, i] + hi * xhi[0, i])
             for b in range(nb):
-                acc += mins[o, b] * xsum[m, b]
-            out[m, o] = acc
+                acc += mins[o, b] * xsum[0, b]
+            out[0, o] = acc
+            continue
+        for m in range(0, M, 4):
+            a0 = a1 = a2 = a3 = np.float32(0.0)
+            for i in range(half):
+                byte = np.float32(packed[o, i])
+                hi = np.floor(byte * np.float32(0.0625))
+                lo = byte - np.float32(16.0) * hi
+                wlo, whi = d[o, i >> 4] * lo, d[o, i >> 4] * hi         # the two dequantized weights, minus m
+                a0 += wlo * xlo[m, i] + whi * xhi[m, i]
+                a1 += wlo * xlo[m + 1, i] + whi * xhi[m + 1, i]
+                a2 += wlo * xlo[m + 2, i] + whi * xhi[m + 2, i]
+                a3 += wlo * xlo[m + 3, i] + whi * xhi[m + 3, i]
+            for b in range(nb):
+                a0 += mins[o, b] * xsum[m, b]
+                a1 += mins[o, b] * xsum[m + 1, b]
+                a2 += mins[o, b] * xsum[m + 2, b]
+                a3 += mins[o, b] * xsum[m + 3, b]
+            out[m, o], out[m + 1, o], out[m + 2, o], out[m + 3, o] = a0, a1, a2, a3
 
 
 # --- the small per-token ops: one compiled call each instead of several numpy calls --------------------------
@@ -257,7 +308,9 @@ def linear(x: np.ndarray, w, b: np.ndarray | None = None) -> np.ndarray:
             for r in range(0, O, TILE_ROWS):
                 out[:, r:r + TILE_ROWS] = x @ w.dequantize(slice(r, r + TILE_ROWS)).T
     else:
-        out = np.empty((M, O), dtype=np.float32)
+        if M > 1 and M % 4:                                                     # the kernels take rows 4 at a time
+            x = np.concatenate([x, np.zeros((4 - M % 4, x.shape[1]), dtype=np.float32)])
+        out = np.empty((x.shape[0], O), dtype=np.float32)
         if isinstance(w, np.ndarray):
             linear_f32(w, x, out)
         elif isinstance(w, Int8Channel):
@@ -268,6 +321,7 @@ def linear(x: np.ndarray, w, b: np.ndarray | None = None) -> np.ndarray:
             linear_q4(w.packed, w.d, w.m, x, out)
         else:
             raise TypeError(f"no kernel for weight type {type(w).__name__}")
+        out = out[:M]
     return out if b is None else out + b
 
 
