@@ -403,7 +403,8 @@ class EngineMetrics:
     kv_utilisation_peak: float
     paged_waste_mean: float          # empty slots in allocated blocks, averaged over steps
     contiguous_waste_mean: float     # the same for a per-request max-length reservation
-    prefix_hit_rate: float           # prompt tokens served from the prefix cache / prompt tokens looked up
+    prefix_hit_rate: float           # tokens served from the prefix cache / tokens looked up, over every
+                                     # admission (a request resumed after preemption is looked up again)
     preemptions: int
     kv_bytes_per_token: int
 
