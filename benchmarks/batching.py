@@ -291,17 +291,15 @@ def markdown(res: dict) -> str:
                  if res["kv_batch_limit"] < best else
                  "With this budget compute saturates first; a smaller budget (or longer contexts) makes memory "
                  "the limit."),
-              "", "### Why these ratios", "",
-              f"On this CPU a decode step is not flat in the batch size: from batch 4 to 8 the step grows "
-              f"{sw[8]['step_ms'] / sw[4]['step_ms']:.1f}x and from 8 to 16 "
-              f"{sw[16]['step_ms'] / sw[8]['step_ms']:.1f}x "
-              "(fp32, up to 16 rows go through kernels.linear_f32, which redoes each row's dot products, so its cost "
-              "grows with the rows; above 16 rows BLAS sgemm takes over). When a fuller batch costs proportionally "
-              "more, the idle slots of static batching cost little, and continuous batching has little throughput to "
-              "win (it takes fewer steps, but fuller ones). Its ITL tail is higher because new prompts are "
-              "prefilled inside the decode steps of running requests (chunked prefill, 512-token budget). The "
-              "paged waste is the partial last block of each sequence: with blocks of 16 positions and sequences "
-              "of a few dozen tokens, that is a large share; it shrinks as sequences grow.",
+              "", "### Reading the ratios", "",
+              "Continuous batching wins throughput only as far as a fuller step costs less per token than an "
+              "emptier one: static batching's idle slots are free when a step's cost grows with the rows it "
+              "carries. Measured here, per token of a decode step: "
+              + ", ".join(f"batch {b} {sw[b]['step_ms'] / b:.1f} ms" for b in sw) + ". "
+              "Continuous batching's ITL tail is higher because new prompts are prefilled inside the decode steps "
+              "of running requests (chunked prefill, 512-token budget). The paged waste is the partial last block "
+              "of each sequence: with blocks of 16 positions and sequences of a few dozen tokens that is a large "
+              "share, and it shrinks as sequences grow.",
               "", "### Targets", "",
               f"- batch-32 aggregate decode >= 10x batch-1 (fp32): "
               + (f"{b32 / b1:.1f}x: {'met' if b32 / b1 >= 10 else 'NOT met'}" if b32 else "not measured"),
