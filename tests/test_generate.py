@@ -90,3 +90,12 @@ def test_default_model_stop_string_is_cut_and_never_streamed(default_model):
     assert s.result.finish_reason == "stop_string"
     assert streamed == s.result.text == full[:full.index(stop)]
     assert stop not in streamed
+
+
+@pytest.mark.parametrize("kv", ["contiguous", "paged"])
+def test_kv_memory_is_reported(tiny, kv):
+    res = tinyllm.generate(tiny, "hello", max_new_tokens=5, kv=kv)
+    per_token = tiny.config.kv_bytes_per_token()
+    assert res.stats.kv_bytes_per_token == per_token
+    # at least every position the request ended with is held (contiguous: the whole reservation)
+    assert res.stats.kv_cache_bytes >= (len(res.prompt_ids) + len(res.token_ids) - 1) * per_token

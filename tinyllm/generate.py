@@ -30,7 +30,7 @@ class GenerationStats:
     decode_s: float = 0.0             # all decode steps (each: forward + sample)
     itl_s: list[float] = field(default_factory=list)   # one entry per token after the first
     kv_bytes_per_token: int = 0
-    kv_cache_bytes: int = 0           # reserved for this request
+    kv_cache_bytes: int = 0           # KV memory this request held at its end (contiguous: the whole reservation)
     speculative: object = None        # speculative.SpeculativeStats when decoding speculatively
 
     @property
@@ -197,7 +197,7 @@ def _run(model, prompt, params: SamplingParams, max_new_tokens: int, stops: list
     ends = end_token_ids(tok)
     stats = GenerationStats(prompt_tokens=len(ids))
     cache = new_cache(model, min(ctx, len(ids) + max_new_tokens), kv)
-    stats.kv_bytes_per_token, stats.kv_cache_bytes = cache.bytes_per_token, cache.nbytes
+    stats.kv_bytes_per_token = cache.bytes_per_token
 
     # --- prefill: the whole prompt in one pass -> logits for the first new token
     t0 = time.perf_counter()
@@ -249,4 +249,5 @@ def _run(model, prompt, params: SamplingParams, max_new_tokens: int, stops: list
     if len(text) > shown:
         yield text[shown:]
     stats.generated_tokens = len(out_ids)
+    stats.kv_cache_bytes = cache.nbytes          # read at the end: a paged sequence takes blocks as it grows
     holder.append(GenerationResult(out_ids, text, ids, stats, finish))
