@@ -76,6 +76,33 @@ def measure(model, ids, n_new, drafts: dict, configs: list[tuple[str, int]], run
     return out
 
 
+def pass_costs(model, drafts: dict, ids, reps: int = 15) -> list[str]:
+    """Best-of-reps time of one forward pass at the end of `ids`, as a fraction of one plain fp32 decode step:
+    the target over T = 1 .. 9 tokens (a verify pass is T = k+1) and each model draft over one token."""
+    def best_ms(m, T):
+        cache = m.new_cache(len(ids) + 16)
+        m.prefill(ids, cache)
+        n, times = cache.length, []
+        for _ in range(reps):
+            cache.truncate(n)
+            t0 = time.perf_counter()
+            m.forward(ids[:T], cache)
+            times.append(time.perf_counter() - t0)
+        return min(times) * 1e3
+
+    step = best_ms(model, 1)
+    lines = ["| pass | ms | / plain step | weights MiB |", "|---|---|---|---|",
+             f"| target, 1 token (plain decode step) | {step:.1f} | 1.00 | {model.weight_bytes / 2**20:.0f} |"]
+    for T in (2, 3, 4, 5, 8, 9):
+        ms = best_ms(model, T)
+        lines.append(f"| target, {T} tokens (verify, k = {T - 1}) | {ms:.1f} | {ms / step:.2f} | |")
+    for name, d in drafts.items():
+        if d.model is not None:
+            ms = best_ms(d.model, 1)
+            lines.append(f"| draft {name}, 1 token | {ms:.1f} | {ms / step:.2f} | {d.model.weight_bytes / 2**20:.0f} |")
+    return lines
+
+
 HEADER = ("| task | draft | k | alpha | accepted lengths 0..k | tok / target pass | c | verify/plain | "
           "expected | expected / (verify/plain) | measured (paired min-max) | spec tok/s | plain tok/s |\n"
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -109,6 +136,8 @@ def main(argv=None) -> int:
         run(model, prompts["chat"], 4, drafts[s], 2)
     run(model, prompts["chat"], 4)
 
+    costs = pass_costs(model, drafts, prompts["chat"])
+    print("\n".join(costs), flush=True)
     lines = []
     main_rows = {}
     for task, ids in prompts.items():
@@ -154,6 +183,10 @@ def main(argv=None) -> int:
         "step (the formula assumes 1; dividing by it prices a round, k draft steps and one target pass, in "
         "plain decode steps). Measured = best-of-runs speculative decode tok/s / best-of-runs plain decode tok/s; "
         "in brackets the spread of the per-repetition paired ratios.",
+        "",
+        "### What one pass costs (best of 15, at the end of the chat prompt)",
+        "",
+        *costs,
         "",
         f"### Per draft source, k = {K_MAIN}",
         "",
