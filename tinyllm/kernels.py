@@ -29,22 +29,22 @@ layernorm, gelu_tanh, softmax, silu, rope_tables = ops.layernorm, ops.gelu_tanh,
 # --- linear layers: out[m, o] = sum_i W[o, i] * x[m, i], for M = 1 (decode) up to a few dozen rows ---------
 # Loop order: each thread owns a range of output rows o; the weight row is read from memory once and, while it
 # is in cache, used for every one of the M input rows. So M rows cost about one weight read (batching).
-# With M > 1 the rows go four at a time (the caller pads M to a multiple of 4): each weight value is loaded and
-# dequantized once and feeds four multiply-adds, instead of being re-read and re-converted for every row.
+# Input rows go four at a time where they can: each weight value is loaded and dequantized once and feeds four
+# multiply-adds, instead of being re-read and re-converted for every row; the M % 4 left over go one by one.
 
 @njit(**_JIT)
 def linear_f32(w, x, out):
-    """w [O, I] float32, x [M, I] -> out [M, O] (M == 1, or a multiple of 4)"""
+    """w [O, I] float32, x [M, I] -> out [M, O]"""
     O, I = w.shape
     M = x.shape[0]
+    M4 = M - M % 4
     for o in prange(O):
-        if M == 1:
+        for m in range(M4, M):                                   # single rows (all of them when M < 4)
             acc = np.float32(0.0)
             for i in range(I):
-                acc += w[o, i] * x[0, i]
-            out[0, o] = acc
-            continue
-        for m in range(0, M, 4):
+                acc += w[o, i] * x[m, i]
+            out[m, o] = acc
+        for m in range(0, M4, 4):
             a0 = a1 = a2 = a3 = np.float32(0.0)
             for i in range(I):
                 wi = w[o, i]
@@ -60,15 +60,15 @@ def linear_int8_channel(q, scale, x, out):
     """q [O, I] int8, scale [O] -> out [M, O]: the int8 dot product, scaled once per row."""
     O, I = q.shape
     M = x.shape[0]
+    M4 = M - M % 4
     for o in prange(O):
         s = scale[o]
-        if M == 1:
+        for m in range(M4, M):
             acc = np.float32(0.0)
             for i in range(I):
-                acc += np.float32(q[o, i]) * x[0, i]
-            out[0, o] = acc * s
-            continue
-        for m in range(0, M, 4):
+                acc += np.float32(q[o, i]) * x[m, i]
+            out[m, o] = acc * s
+        for m in range(0, M4, 4):
             a0 = a1 = a2 = a3 = np.float32(0.0)
             for i in range(I):
                 wi = np.float32(q[o, i])
@@ -88,14 +88,14 @@ def linear_int8_block(q, scale, x, out):
     """
     O, I = q.shape
     M = x.shape[0]
+    M4 = M - M % 4
     for o in prange(O):
-        if M == 1:
+        for m in range(M4, M):
             acc = np.float32(0.0)
             for i in range(I):
-                acc += scale[o, i >> 5] * np.float32(q[o, i]) * x[0, i]
-            out[0, o] = acc
-            continue
-        for m in range(0, M, 4):
+                acc += scale[o, i >> 5] * np.float32(q[o, i]) * x[m, i]
+            out[m, o] = acc
+        for m in range(0, M4, 4):
             a0 = a1 = a2 = a3 = np.float32(0.0)
             for i in range(I):
                 wi = scale[o, i >> 5] * np.float32(q[o, i])
@@ -130,19 +130,19 @@ def linear_q4(packed, d, mins, x, out):
                 xlo[m, b * 16 + k] = x[m, b * 32 + k]
                 xhi[m, b * 16 + k] = x[m, b * 32 + 16 + k]
                 xsum[m, b] += x[m, b * 32 + k] + x[m, b * 32 + 16 + k]
+    M4 = M - M % 4
     for o in prange(O):
-        if M == 1:
+        for m in range(M4, M):
             acc = np.float32(0.0)
             for i in range(half):
                 byte = np.float32(packed[o, i])
                 hi = np.floor(byte * np.float32(0.0625))                 # byte >> 4
                 lo = byte - np.float32(16.0) * hi                        # byte & 15
-                acc += d[o, i >> 4] * (lo * xlo[0, i] + hi * xhi[0, i])
+                acc += d[o, i >> 4] * (lo * xlo[m, i] + hi * xhi[m, i])
             for b in range(nb):
-                acc += mins[o, b] * xsum[0, b]
-            out[0, o] = acc
-            continue
-        for m in range(0, M, 4):
+                acc += mins[o, b] * xsum[m, b]
+            out[m, o] = acc
+        for m in range(0, M4, 4):
             a0 = a1 = a2 = a3 = np.float32(0.0)
             for i in range(half):
                 byte = np.float32(packed[o, i])
@@ -308,9 +308,7 @@ def linear(x: np.ndarray, w, b: np.ndarray | None = None) -> np.ndarray:
             for r in range(0, O, TILE_ROWS):
                 out[:, r:r + TILE_ROWS] = x @ w.dequantize(slice(r, r + TILE_ROWS)).T
     else:
-        if M > 1 and M % 4:                                                     # the kernels take rows 4 at a time
-            x = np.concatenate([x, np.zeros((4 - M % 4, x.shape[1]), dtype=np.float32)])
-        out = np.empty((x.shape[0], O), dtype=np.float32)
+        out = np.empty((M, O), dtype=np.float32)
         if isinstance(w, np.ndarray):
             linear_f32(w, x, out)
         elif isinstance(w, Int8Channel):
@@ -321,7 +319,6 @@ def linear(x: np.ndarray, w, b: np.ndarray | None = None) -> np.ndarray:
             linear_q4(w.packed, w.d, w.m, x, out)
         else:
             raise TypeError(f"no kernel for weight type {type(w).__name__}")
-        out = out[:M]
     return out if b is None else out + b
 
 
