@@ -285,9 +285,12 @@ def decode_attention(q, k, v, out):
 
 
 # --- dispatch --------------------------------------------------------------------------------------------------
-# Up to this many rows the kernels above beat BLAS (measured on a 3072 x 576 matrix, 2 threads): float32 weights
-# go to sgemm sooner, quantized ones would first need dequantizing, which costs more than the kernels' extra math.
-SMALL_M_FP32, SMALL_M_QUANT = 16, 64
+# Up to this many rows (decode batches, speculative verification, short prompt chunks) the kernels above run; more
+# rows (prefill) go to BLAS sgemm. For fp32 alone, sgemm wins from ~24 rows (measured over the model's matrices:
+# 85 vs 103 ms at 24 rows, 140 vs 204 at 64), but a decode step also runs Numba's parallel attention, and the two
+# thread pools spin-wait on the same 2 cores: a batch-32 fp32 decode step took 488 ms with sgemm and 198 ms with the
+# kernels alone. Quantized weights would need dequantizing for sgemm, which costs more than the kernels' extra math.
+SMALL_M = 64
 TILE_ROWS = 512   # rows of a quantized weight dequantized at a time for the BLAS path (fits in L2)
 
 
@@ -300,7 +303,7 @@ def linear(x: np.ndarray, w, b: np.ndarray | None = None) -> np.ndarray:
     """
     x = np.ascontiguousarray(x, dtype=np.float32)
     M, O = x.shape[0], w.shape[0]
-    if M > (SMALL_M_FP32 if isinstance(w, np.ndarray) else SMALL_M_QUANT):
+    if M > SMALL_M:
         if isinstance(w, np.ndarray):
             out = x @ w.T                                                       # [M, O]
         else:
