@@ -31,6 +31,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="numba kernels (fast) or plain numpy (readable, steppable)")
     p.add_argument("--kv", default="contiguous", choices=["contiguous", "paged"],
                    help="KV cache: one contiguous reservation, or blocks from a pool as the sequence grows")
+    p.add_argument("--kv-memory", default=None,
+                   help="with --kv paged: the KV pool's budget, e.g. 64MiB; a request that could outgrow it is refused")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -63,8 +65,8 @@ def main(argv=None) -> int:
         chat = not args.raw and model.tokenizer.chat_template is not None
         kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                       top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                      seed=args.seed, stop=args.stop, chat=chat, kv=args.kv, speculative=args.speculative,
-                      num_draft=args.num_draft)
+                      seed=args.seed, stop=args.stop, chat=chat, kv=args.kv, kv_memory=args.kv_memory,
+                      speculative=args.speculative, num_draft=args.num_draft)
         if args.json:
             res = tinyllm.generate(model, args.prompt, **kwargs)
         else:

@@ -81,3 +81,9 @@ def test_default_model_chat_answer():
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout.decode()
     assert "[eos]" in r.stderr.decode()
+
+
+def test_kv_memory_too_small_one_line(tiny_path):
+    r = run("--prompt", "hello", "--raw", "--kv", "paged", "--kv-memory", "1KiB", model=tiny_path)
+    err = r.stderr.decode().strip()
+    assert r.returncode == 2 and "KV memory" in err and len(err.splitlines()) == 1, err

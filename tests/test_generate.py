@@ -99,3 +99,13 @@ def test_kv_memory_is_reported(tiny, kv):
     assert res.stats.kv_bytes_per_token == per_token
     # at least every position the request ended with is held (contiguous: the whole reservation)
     assert res.stats.kv_cache_bytes >= (len(res.prompt_ids) + len(res.token_ids) - 1) * per_token
+
+
+def test_kv_memory_budget_is_checked_before_any_work(tiny):
+    per_token = tiny.config.kv_bytes_per_token()
+    res = tinyllm.generate(tiny, "hello", max_new_tokens=5, kv="paged", kv_memory=64 * per_token)
+    assert len(res.token_ids) >= 1
+    with pytest.raises(ValueError, match="KV memory .* holds 16 positions .* may need 3[0-9]"):
+        tinyllm.generate(tiny, "hello", max_new_tokens=30, kv="paged", kv_memory=16 * per_token)
+    with pytest.raises(ValueError, match="use it with kv='paged'"):
+        tinyllm.generate(tiny, "hello", kv_memory="1MiB")

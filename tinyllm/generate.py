@@ -92,13 +92,14 @@ class Stream:
 def stream(model, prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
            top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0, seed: int | None = None,
            stop: Sequence[str] = (), chat: bool = False, speculative=None, num_draft: int = 4,
-           kv: str = "contiguous") -> Stream:
+           kv: str = "contiguous", kv_memory: str | int | None = None) -> Stream:
     """Generate from `prompt` and yield text pieces as they decode (never half a UTF-8 character).
 
     prompt: a string (used as is, or wrapped in the model's chat template if `chat=True`), a list of chat
     messages ({"role", "content"} dicts, always templated), or a list of token ids.
     kv: "contiguous" (one array reserved for the whole generation) or "paged" (blocks taken as the
-    sequence grows, paged.py); both give the same tokens.
+    sequence grows, paged.py); both give the same tokens. kv_memory ("64MiB", bytes): with kv="paged", the
+    pool's budget; a request that could outgrow it is refused before any work.
     speculative: a draft source ("self-q4", "self-int8", "layers:N", "ngram", "draft=PATH", or an object from
     speculative.make_draft) to draft `num_draft` tokens per target pass; the output distribution is unchanged.
     """
@@ -117,8 +118,11 @@ def stream(model, prompt, max_new_tokens: int = 256, temperature: float = 0.0, t
         speculative = (make_draft(model, speculative), num_draft)
     if kv not in KV_CHOICES:
         raise ValueError(f"unknown kv {kv!r}; choose one of: {', '.join(KV_CHOICES)}")
+    if kv_memory is not None and kv != "paged":
+        raise ValueError("kv_memory sizes the paged pool: use it with kv='paged'")
     holder: list = []
-    return Stream(_run(model, prompt, params, max_new_tokens, list(stop), chat, holder, speculative, kv), holder)
+    return Stream(_run(model, prompt, params, max_new_tokens, list(stop), chat, holder, speculative,
+                       (kv, kv_memory)), holder)
 
 
 def generate(model, prompt, **kwargs) -> GenerationResult:
@@ -148,12 +152,21 @@ def prompt_ids(model, prompt, chat: bool = False) -> list[int]:
     return ids
 
 
-def new_cache(model, max_seq_len: int, kv: str = "contiguous"):
-    """A KV cache for one generation: a contiguous reservation, or a sequence in a paged pool just big enough."""
+def new_cache(model, max_seq_len: int, kv: str = "contiguous", kv_memory: str | int | None = None):
+    """A KV cache for one generation: a contiguous reservation, or a sequence in a paged pool (just big enough,
+    or of `kv_memory` bytes; a budget that cannot hold max_seq_len positions is refused here, before any work)."""
     if kv == "contiguous":
         return model.new_cache(max_seq_len)
     from .paged import PagedKVCache
-    return PagedKVCache(model.config, block_size=16, num_blocks=-(-max_seq_len // 16)).new_sequence()
+    if kv_memory is None:
+        return PagedKVCache(model.config, block_size=16, num_blocks=-(-max_seq_len // 16)).new_sequence()
+    pool = PagedKVCache(model.config, block_size=16, memory=kv_memory)
+    capacity = pool.num_blocks * pool.block_size
+    if capacity < max_seq_len:
+        raise ValueError(f"KV memory {kv_memory} holds {capacity} positions ({pool.bytes_per_token:,} bytes each) but "
+                         f"this request may need {max_seq_len} (prompt + max_new_tokens): raise the KV memory or "
+                         f"lower max_new_tokens")
+    return pool.new_sequence()
 
 
 def end_token_ids(tokenizer) -> set[int]:
@@ -185,7 +198,7 @@ def _plain_tokens(model, ids: list[int], cache, logits, params: SamplingParams, 
 
 
 def _run(model, prompt, params: SamplingParams, max_new_tokens: int, stops: list[str], chat: bool,
-         holder: list, speculative=None, kv: str = "contiguous") -> Iterator[str]:
+         holder: list, speculative=None, kv=("contiguous", None)) -> Iterator[str]:
     t_start = time.perf_counter()
     tok = model.tokenizer
     ids = prompt_ids(model, prompt, chat)
@@ -196,7 +209,7 @@ def _run(model, prompt, params: SamplingParams, max_new_tokens: int, stops: list
     rng = params.make_rng()
     ends = end_token_ids(tok)
     stats = GenerationStats(prompt_tokens=len(ids))
-    cache = new_cache(model, min(ctx, len(ids) + max_new_tokens), kv)
+    cache = new_cache(model, min(ctx, len(ids) + max_new_tokens), *kv)
     stats.kv_bytes_per_token = cache.bytes_per_token
 
     # --- prefill: the whole prompt in one pass -> logits for the first new token
