@@ -168,8 +168,12 @@ class Transformer:
             rope = None
         else:                                                       # llama: each row's rotation angles
             rope = self.rope_cos[positions], self.rope_sin[positions]   # 2 x [N, Dh/2]
+        # which rows attend how is the same in every layer, so it is worked out once: PagedAttention (Kwon et al.
+        # 2023) for the one-token rows of sequences in one paged pool (a single call that reads each sequence's
+        # blocks through its block table, paged.py), a loop over the other sequences
+        batch, loose = paged.DecodeBatch.split(segments) if len(segments) > 1 else (None, segments)
         for i, layer in enumerate(self.layers):
-            x = self._block(x, layer, i, rope, segments)            # [N, D]
+            x = self._block(x, layer, i, rope, batch, loose)        # [N, D]
         for rows, cache, start in segments:
             if cache is not None:
                 cache.length = start + (rows.stop - rows.start)
@@ -181,7 +185,7 @@ class Transformer:
             return [logits[j:j + 1] for j in range(len(segments))]
         return [logits[rows] for rows, _, _ in segments]
 
-    def _block(self, x, layer: LayerWeights, i: int, rope, segments: list) -> np.ndarray:
+    def _block(self, x, layer: LayerWeights, i: int, rope, batch, loose: list) -> np.ndarray:
         """One transformer block: x + attention(norm(x)), then x + mlp(norm(x)). x: [N, D] -> [N, D]"""
         c, o = self.config, self.ops
         T, H, KVH, Dh = x.shape[0], c.n_heads, c.n_kv_heads, c.head_dim
@@ -194,19 +198,16 @@ class Transformer:
         v = qkv[:, (H + KVH) * Dh:].reshape(T, KVH, Dh)            # [T, KVH, Dh]
         if rope is not None:                                        # rotate q and k by their positions
             q, k = o.apply_rope(q, *rope), o.apply_rope(k, *rope)
-        if len(segments) == 1:                                      # one sequence: attend over its whole history
-            _, cache, start = segments[0]
+        if batch is None and len(loose) == 1:                       # one sequence: attend over its whole history
+            _, cache, start = loose[0]
             if cache is not None:                                   # store this step's K/V, read back all of it
                 k, v = cache.update(i, start, k, v)                 # [S, KVH, Dh], S = start + T
             att = o.attention(q, k, v, start)                       # [T, H*Dh]
         else:                                                       # several: each against its own cache
             att = np.empty((T, H * Dh), dtype=np.float32)
-            # PagedAttention (Kwon et al. 2023): the one-token rows of sequences in one paged pool are attended in
-            # a single call that reads each sequence's blocks through its block table (paged.py); the rest loop.
-            batch, segments = paged.DecodeBatch.split(segments)
-            if batch is not None:
+            if batch is not None:                                   # paged one-token rows: one call
                 att[batch.rows] = batch.attend(i, q[batch.rows], k[batch.rows], v[batch.rows], self.backend)
-            for rows, cache, start in segments:
+            for rows, cache, start in loose:
                 k_s, v_s = k[rows], v[rows]
                 if cache is not None:
                     k_s, v_s = cache.update(i, start, k_s, v_s)
