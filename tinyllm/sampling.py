@@ -87,11 +87,15 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return p
 
 
+def draw(p: np.ndarray, rng: np.random.Generator) -> int:
+    """One token from the distribution p ([V]) by inverse CDF: a single uniform number per draw."""
+    cdf = np.cumsum(p)                                            # [V]
+    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(p) - 1))
+
+
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, history=()) -> int:
     """Pick the next token id from `logits` ([V]); `history` is the ids so far (for the repetition penalty)."""
     logits = apply_repetition_penalty(logits, history, params.repetition_penalty)
     if params.greedy:
         return int(np.argmax(logits))
-    p = probabilities(logits, params)
-    cdf = np.cumsum(p)                                            # inverse-CDF draw: one uniform number
-    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(p) - 1))
+    return draw(probabilities(logits, params), rng)

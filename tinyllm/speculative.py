@@ -26,17 +26,12 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .quant import QuantizedWeight, quantize
-from .sampling import SamplingParams, apply_repetition_penalty, probabilities, sample
+from .sampling import SamplingParams, apply_repetition_penalty, draw, probabilities, sample
 
 DRAFT_SPECS = "draft=PATH | self-int8 | self-q4 | layers:N | ngram"
 
 
 # --- the accept/resample rule: pure functions ----------------------------------------------------------------
-
-def draw(p: np.ndarray, rng: np.random.Generator) -> int:
-    """One token from distribution p ([V]) by inverse CDF: one uniform number, as sampling.sample does."""
-    cdf = np.cumsum(p)                                                    # [V]
-    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(p) - 1))
 
 
 def accept_greedy(draft: Sequence[int], target_argmax: Sequence[int]) -> tuple[int, int]:
