@@ -171,7 +171,7 @@ class Transformer:
         # which rows attend how is the same in every layer, so it is worked out once: PagedAttention (Kwon et al.
         # 2023) for the one-token rows of sequences in one paged pool (a single call that reads each sequence's
         # blocks through its block table, paged.py), a loop over the other sequences
-        batch, loose = paged.DecodeBatch.split(segments) if len(segments) > 1 else (None, segments)
+        batch, loose = paged.DecodeBatch.split(segments)
         for i, layer in enumerate(self.layers):
             x = self._block(x, layer, i, rope, batch, loose)        # [N, D]
         for rows, cache, start in segments:

@@ -381,10 +381,11 @@ class DecodeBatch:
     @staticmethod
     def split(segments) -> tuple["DecodeBatch | None", list]:
         """Segments of one token whose caches share one pool -> (their DecodeBatch, the other segments).
-        (None, segments) when fewer than two qualify."""
+        (None, segments) when none qualify. A lone sequence qualifies too: the kernel reads its blocks in place,
+        where the per-sequence path would first gather its whole history into one array, every layer."""
         picked = [(rows.start, cache, start) for rows, cache, start in segments
                   if isinstance(cache, SequenceCache) and rows.stop - rows.start == 1]
-        if len(picked) < 2 or len({id(c.pool) for _, c, _ in picked}) > 1:
+        if not picked or len({id(c.pool) for _, c, _ in picked}) > 1:
             return None, segments
         width = max(len(c.block_table) for _, c, _ in picked)
         tables = np.zeros((len(picked), width), dtype=np.int32)                   # [B, max blocks]
@@ -438,41 +439,42 @@ def paged_decode_attention(q, k_blocks, v_blocks, block_tables, context_lens) ->
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def _paged_decode_kernel(q, k_blocks, v_blocks, block_tables, context_lens, out):
     # Hot: batched decode runs this once per layer per step, over every cached position of every sequence.
-    # One task per (sequence, KV head): it reads each K and V row of that head once, through the block table,
-    # and uses it for the G query heads of the group (GQA without copies).
+    # One task per sequence. It walks the sequence's blocks in order and reads each block's K (then V) rows for all
+    # KV heads at once: a block is one contiguous [block_size, KVH, Dh] run of memory, which the hardware
+    # prefetcher streams well. (One task per (sequence, KV head) read only every third 256-byte piece of each block,
+    # and measured 1.4-2.1 vs 1.1-1.2 ms per layer at 32 sequences x 257 positions with the cache cold.)
+    # Query head h reads KV head h // G: GQA without copies.
     B, H, Dh = q.shape
     BS, KVH = k_blocks.shape[1], k_blocks.shape[2]
     G = H // KVH
     scale = np.float32(1.0 / np.sqrt(Dh))
-    for task in prange(B * KVH):
-        b, kvh = task // KVH, task % KVH
+    for b in prange(B):
         S = context_lens[b]
-        qg = q[b, kvh * G:(kvh + 1) * G]                          # [G, Dh] the query heads of this KV head
-        scores = np.empty((G, S), dtype=np.float32)              # [G, S]
+        scores = np.empty((H, S), dtype=np.float32)              # [H, S]
         for s in range(S):                                       # q . k, position s found via the block table
-            k_row = k_blocks[block_tables[b, s // BS], s % BS, kvh]   # [Dh]
-            for g in range(G):
+            blk, r = block_tables[b, s // BS], s % BS
+            for h in range(H):
                 acc = np.float32(0.0)
                 for j in range(Dh):
-                    acc += qg[g, j] * k_row[j]
-                scores[g, s] = acc * scale
-        for g in range(G):                                       # softmax over the S positions
-            m = scores[g, 0]
+                    acc += q[b, h, j] * k_blocks[blk, r, h // G, j]
+                scores[h, s] = acc * scale
+        for h in range(H):                                       # softmax over the S positions
+            m = scores[h, 0]
             for s in range(1, S):
-                m = max(m, scores[g, s])
+                m = max(m, scores[h, s])
             total = np.float32(0.0)
             for s in range(S):
-                e = np.exp(scores[g, s] - m)
-                scores[g, s] = e
+                e = np.exp(scores[h, s] - m)
+                scores[h, s] = e
                 total += e
             inv = np.float32(1.0) / total
             for s in range(S):
-                scores[g, s] *= inv
-        acc_out = np.zeros((G, Dh), dtype=np.float32)            # [G, Dh] weighted sum of v, in registers/L1
+                scores[h, s] *= inv
+        acc_out = np.zeros((H, Dh), dtype=np.float32)            # [H, Dh] weighted sum of v, stays in L1
         for s in range(S):
-            v_row = v_blocks[block_tables[b, s // BS], s % BS, kvh]   # [Dh]
-            for g in range(G):
-                p = scores[g, s]
+            blk, r = block_tables[b, s // BS], s % BS
+            for h in range(H):
+                p = scores[h, s]
                 for j in range(Dh):
-                    acc_out[g, j] += p * v_row[j]
-        out[b, kvh * G:(kvh + 1) * G] = acc_out
+                    acc_out[h, j] += p * v_blocks[blk, r, h // G, j]
+        out[b] = acc_out
