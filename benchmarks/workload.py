@@ -25,23 +25,25 @@ class WorkloadRequest:
     output_tokens: int
 
 
-def output_lengths(rng: np.random.Generator, n: int, kind: str, lo: int, hi: int) -> np.ndarray:
-    """'uniform' in [lo, hi]; 'lognormal': most short, a long tail (what chat traffic looks like), clipped."""
+def output_lengths(rng: np.random.Generator, n: int, kind: str, lo: int, hi: int, sigma: float = 0.9) -> np.ndarray:
+    """'uniform' in [lo, hi]; 'lognormal': most short, a long tail (what chat traffic looks like), clipped.
+    sigma is the spread of log(length): the 90th percentile is exp(2.56 sigma) times the 10th (10x at 0.9, 28x at
+    1.3), before clipping."""
     if kind == "uniform":
         return rng.integers(lo, hi + 1, n)
     if kind == "lognormal":
-        x = rng.lognormal(mean=np.log(np.sqrt(lo * hi)), sigma=0.9, size=n)
+        x = rng.lognormal(mean=np.log(np.sqrt(lo * hi)), sigma=sigma, size=n)
         return np.clip(np.round(x), lo, hi).astype(int)
     raise ValueError(f"unknown output length distribution {kind!r}; choose uniform or lognormal")
 
 
 def make_workload(tokenizer, n: int, rate: float | None, prompt_len=(16, 128), output="lognormal",
-                  output_len=(4, 128), seed: int = 0) -> list[WorkloadRequest]:
+                  output_len=(4, 128), seed: int = 0, sigma: float = 0.9) -> list[WorkloadRequest]:
     """n requests; inter-arrival gaps ~ Exponential(1/rate) (a Poisson process), or all at t=0 if rate is None."""
     rng = np.random.default_rng(seed)
     text_ids = tokenizer.encode(TEXT.read_text())
     arrivals = np.zeros(n) if rate is None else np.cumsum(rng.exponential(1.0 / rate, n))
-    outs = output_lengths(rng, n, output, *output_len)
+    outs = output_lengths(rng, n, output, *output_len, sigma=sigma)
     reqs = []
     for i in range(n):
         p = int(rng.integers(prompt_len[0], prompt_len[1] + 1))
