@@ -9,7 +9,7 @@ RNG = np.random.default_rng(0)
 
 
 @pytest.mark.parametrize("fmt", ["fp32"] + list(quant.FORMATS))
-@pytest.mark.parametrize("M", [1, 2, 3, 7, 16, 17, 64])
+@pytest.mark.parametrize("M", [1, 2, 3, 7, 8, 17, 64, 101, 130])
 @pytest.mark.parametrize("O, I", [(1, 32), (33, 64), (130, 96), (7, 1536)])
 def test_linear_matches_numpy(fmt, M, O, I):
     w = RNG.normal(0, 0.1, (O, I)).astype(np.float32)
@@ -35,6 +35,26 @@ def test_decode_attention_matches_numpy(S, H, KVH, Dh):
     v = RNG.normal(size=(S, KVH, Dh)).astype(np.float32)
     want = ops.attention(q, k, v, start=S - 1)                        # [1, H*Dh]: the last position sees all
     np.testing.assert_allclose(kernels.attention(q, k, v, S - 1), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("T, start", [(2, 0), (5, 7), (17, 0), (4, 300)])
+@pytest.mark.parametrize("H, KVH, Dh", [(9, 3, 64), (4, 4, 8)])
+def test_causal_attention_matches_numpy(T, start, H, KVH, Dh):
+    """Several query tokens (a prompt chunk, a speculative verification) after `start` cached positions."""
+    q = RNG.normal(size=(T, H, Dh)).astype(np.float32)
+    k = RNG.normal(size=(start + T, KVH, Dh)).astype(np.float32)
+    v = RNG.normal(size=(start + T, KVH, Dh)).astype(np.float32)
+    np.testing.assert_allclose(kernels.attention(q, k, v, start), ops.attention(q, k, v, start), atol=1e-5)
+
+
+def test_causal_attention_reads_strided_views():
+    """Without a cache the model passes k and v as column slices of the fused qkv activation."""
+    T, H, KVH, Dh = 6, 4, 2, 8
+    qkv = RNG.normal(size=(T, (H + 2 * KVH) * Dh)).astype(np.float32)
+    q = qkv[:, :H * Dh].reshape(T, H, Dh)
+    k = qkv[:, H * Dh:(H + KVH) * Dh].reshape(T, KVH, Dh)
+    v = qkv[:, (H + KVH) * Dh:].reshape(T, KVH, Dh)
+    np.testing.assert_allclose(kernels.attention(q, k, v, 0), ops.attention(q, k, v, 0), atol=1e-5)
 
 
 @pytest.mark.parametrize("T", [1, 5])

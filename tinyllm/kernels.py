@@ -295,7 +295,8 @@ def _swiglu_rows(gate_up, out):
 def swiglu(gate_up: np.ndarray) -> np.ndarray:
     """Twin of ops.swiglu: silu(gate) * up. [T, 2F] -> [T, F]"""
     out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=np.float32)
-    (_swiglu_rows if out.shape[0] >= 4 else _swiglu)(gate_up, out)
+    # threads only where the linears run in Numba too: next to BLAS (more than SMALL_M rows) the pools would fight
+    (_swiglu_rows if 4 <= out.shape[0] <= SMALL_M else _swiglu)(gate_up, out)
     return out
 
 
@@ -364,23 +365,66 @@ def decode_attention(q, k, v, out):
             out[h, j] /= total
 
 
+@njit(**_JIT)
+def causal_attention(q, k, v, start, out):
+    """q [T, H, Dh] at positions start .. start+T-1, k, v [S, KVH, Dh] (S = start + T) -> out [T, H, Dh].
+
+    Several query tokens: a prompt chunk, a speculative verification. One task per (query token, KV head); the
+    token at position start+t sees cache positions 0 .. start+t (causal), and each K/V row read serves the G
+    query heads of the group. The arithmetic is the same as the numpy twin's batched matmuls; the point is to
+    keep BLAS, whose threads fight Numba's for the 2 cores, out of the forward pass (see `linear`).
+    """
+    T, H, Dh = q.shape
+    KVH = k.shape[1]
+    G = H // KVH
+    scale = np.float32(1.0 / np.sqrt(Dh))
+    for task in prange(T * KVH):
+        t, kvh = task // KVH, task % KVH
+        n = start + t + 1                                        # positions this token may attend to
+        scores = np.empty((G, n), dtype=np.float32)             # [G, n]
+        for s in range(n):
+            for g in range(G):
+                acc = np.float32(0.0)
+                for j in range(Dh):
+                    acc += q[t, kvh * G + g, j] * k[s, kvh, j]
+                scores[g, s] = acc * scale
+        for g in range(G):
+            m = scores[g, 0]
+            for s in range(1, n):
+                m = max(m, scores[g, s])
+            total = np.float32(0.0)
+            for s in range(n):
+                e = np.exp(scores[g, s] - m)
+                scores[g, s] = e
+                total += e
+            inv = np.float32(1.0) / total
+            for j in range(Dh):
+                out[t, kvh * G + g, j] = 0.0
+            for s in range(n):
+                p = scores[g, s] * inv
+                for j in range(Dh):
+                    out[t, kvh * G + g, j] += p * v[s, kvh, j]
+
+
 # --- dispatch --------------------------------------------------------------------------------------------------
-# Up to this many rows (decode batches, speculative verification, short prompt chunks) the kernels above run; more
-# rows (prefill) go to BLAS sgemm. On the model's matrices alone the tiled fp32 kernel beats OpenBLAS sgemm up to
-# a few hundred rows (measured 52 vs 164 ms for one step's worth of matrices at 32 rows, 196 vs 230 at 128). But a
-# prefill also runs numpy's attention, which wakes OpenBLAS's threads, and the two thread pools then fight over the
-# 2 cores: a 128-token prefill ran at 182 tok/s with the kernels and 516 with sgemm. Quantized weights would need
-# dequantizing for sgemm, which costs more than the kernels' extra math at these sizes.
-SMALL_M = 64
+# Up to SMALL_M rows (decode batches, speculative verification, prompts and prompt chunks of up to 128 tokens) the
+# kernels above run, and attention and SwiGLU stay in Numba too; more rows go to BLAS sgemm and numpy attention.
+# Mixing the two in one forward pass is the thing to avoid: OpenBLAS's and Numba's threads spin-wait on the same 2
+# cores, and a 128-token fp32 prefill ran at 182 tok/s with Numba linears beside numpy attention, 215 with BLAS
+# linears beside a parallel SwiGLU, 500 with either path alone. Measured 128-token prefill, Numba vs BLAS path:
+# fp32 545-561 vs 492-504 tok/s, int8 573-596 vs 374-413, q4_1 374-392 vs 220 (each BLAS call on a quantized
+# weight first dequantizes it, which costs the same whatever the number of rows). At 256 tokens: fp32 equal,
+# int8 515-521 vs 458-467, q4_1 331-370 vs 391-423; at 512 BLAS wins (fp32 425-465 vs 367-376).
+SMALL_M = 128
 TILE_ROWS = 512   # rows of a quantized weight dequantized at a time for the BLAS path (fits in L2)
 
 
 def linear(x: np.ndarray, w, b: np.ndarray | None = None) -> np.ndarray:
     """The fast twin of ops.linear: x [M, I] times w (float32 array or a quantized weight) -> [M, O].
 
-    Few rows (decode, small batches, speculative verification): the kernels above, which read each weight
-    once. Many rows (prefill): numpy's BLAS sgemm, on float32 weights directly, or on quantized weights
-    dequantized TILE_ROWS rows at a time, so no full fp32 copy of the weight is ever made.
+    Up to SMALL_M rows (decode, batches, speculative verification, short prompts): the kernels above, which
+    read each weight once. More (long prompts): numpy's BLAS sgemm, on float32 weights directly, or on quantized
+    weights dequantized TILE_ROWS rows at a time, so no full fp32 copy of the weight is ever made.
     """
     x = np.ascontiguousarray(x, dtype=np.float32)
     M, O = x.shape[0], w.shape[0]
@@ -407,13 +451,19 @@ def linear(x: np.ndarray, w, b: np.ndarray | None = None) -> np.ndarray:
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
-    """Twin of ops.attention. One query token (decode) runs the kernel above; several (prefill) use numpy's
-    batched matmuls, which are already compute-efficient. q [T, H, Dh], k, v [S, KVH, Dh] -> [T, H*Dh]"""
-    if q.shape[0] > 1:
+    """Twin of ops.attention. q [T, H, Dh], k, v [S, KVH, Dh] -> [T, H*Dh]. One query token (decode): the
+    flash-decoding kernel. Several: the causal kernel while the rows are few enough for the Numba linears
+    (SMALL_M), numpy's batched matmuls (BLAS) beyond, where the linears use BLAS too."""
+    T, H, Dh = q.shape
+    if T == 1:
+        out = np.empty((H, Dh), dtype=np.float32)                             # [H, Dh]
+        decode_attention(np.ascontiguousarray(q[0]), k, v, out)
+        return out.reshape(1, -1)
+    if T > SMALL_M:
         return ops.attention(q, k, v, start)
-    out = np.empty(q.shape[1:], dtype=np.float32)                             # [H, Dh]
-    decode_attention(np.ascontiguousarray(q[0]), k, v, out)
-    return out.reshape(1, -1)
+    out = np.empty((T, H, Dh), dtype=np.float32)                              # [T, H, Dh]
+    causal_attention(np.ascontiguousarray(q), k, v, start, out)
+    return out.reshape(T, H * Dh)
 
 
 _warmed: set = set()
@@ -438,6 +488,7 @@ def warmup(weight_types=(np.ndarray, Int8Channel, Int8Block, Q4Block)) -> float:
     if "ops" not in _warmed:
         kv = np.ones((3, 1, 4), dtype=np.float32)
         attention(np.ones((1, 2, 4), np.float32), kv, kv, 2)
+        attention(np.ones((2, 2, 4), np.float32), kv, kv, 1)                # several query tokens
         rmsnorm(x, x[0], 1e-5)
         qkv = np.ones((1, 16), dtype=np.float32)                    # q and k are strided views of the qkv row
         apply_rope(qkv[:, :8].reshape(1, 2, 4), np.ones((1, 2), np.float32), np.ones((1, 2), np.float32))
