@@ -148,6 +148,42 @@ def test_chunked_prefill_keeps_running_decodes_going(model):
     assert engine.requests["long"].output_ids == reference(model, long_prompt, 3)
 
 
+def test_long_prefill_cap_bounds_each_step(model):
+    """long_prefill_tokens: a long prompt enters a few tokens per step even when the step budget is large."""
+    engine = Engine(model, num_blocks=100, block_size=4, long_prefill_tokens=8)
+    engine.add_request("short", [1, 2, 3], max_tokens=20)
+    engine.step()
+    long_prompt = list(np.random.default_rng(3).integers(0, 50, 60))
+    engine.add_request("long", long_prompt, max_tokens=3)
+    while engine.requests["long"].metrics.first_token is None:
+        engine.step()
+        assert engine.steps[-1].tokens <= 8 + 1                    # one chunk of the prompt + short's decode
+    assert len(engine.steps) >= 1 + 60 // 8
+    list(engine.run())
+    assert engine.requests["long"].output_ids == reference(model, long_prompt, 3)
+    with pytest.raises(ValueError, match="long_prefill_tokens"):
+        Engine(model, num_blocks=10, long_prefill_tokens=0)
+
+
+@pytest.mark.parametrize("watermark, b_admitted", [(0.3, False), (0.0, True)])
+def test_watermark_keeps_blocks_free_for_running_requests(model, watermark, b_admitted):
+    """10 blocks of 4, watermark 30% = 3 blocks: with A holding 2, admitting B (6 blocks) would leave 2 free."""
+    engine = Engine(model, num_blocks=10, block_size=4, watermark=watermark)
+    prompts = {"A": list(range(1, 9)), "B": list(range(10, 34))}            # 2 and 6 blocks
+    for rid, p in prompts.items():
+        engine.add_request(rid, p, max_tokens=4)
+    engine.step()
+    assert engine.requests["A"].status == "running"
+    assert (engine.requests["B"].status == "running") is b_admitted
+    list(engine.run())                                             # B runs once A is done: nothing is lost
+    engine.pool.allocator.check_invariants()
+    assert engine.pool.allocator.num_used == 0
+    for rid, p in prompts.items():
+        assert engine.requests[rid].output_ids == reference(model, p, 4)
+    with pytest.raises(ValueError, match="watermark"):
+        Engine(model, num_blocks=10, watermark=1.5)
+
+
 def test_metrics_on_a_fake_clock(model):
     engine, clock = timed_engine(model, num_blocks=10, block_size=4)
     engine.add_request("a", [1, 2, 3, 4, 5], max_tokens=4)

@@ -39,6 +39,24 @@ def test_prefix_hit_reuses_blocks_and_partial_last_block_is_not_cached():
     a.check_invariants()
 
 
+def test_blocks_taken_predicts_allocate_without_side_effects():
+    """What admission control asks before allocating: how far num_free would drop (new blocks + cached ones
+    nobody holds, which leave the evictable pool)."""
+    a = BlockAllocator(num_blocks=8, block_size=4)
+    prompt = list(range(10))
+    a.allocate("x", prompt)
+    a.register("x", prompt, n_computed=10)
+    a.free("x")                                            # its 2 full blocks stay cached, held by nobody
+    for ids in (prompt + [99], [5] * 9, [1]):
+        before, hits = a.num_free, (a.hit_tokens, a.query_tokens)
+        taken = a.blocks_taken(ids)
+        assert (a.num_free, (a.hit_tokens, a.query_tokens)) == (before, hits)   # a question, not an action
+        a.allocate(str(ids), ids)
+        assert before - a.num_free == taken
+        a.free(str(ids))
+    a.check_invariants()
+
+
 def test_chained_hash_needs_the_whole_prefix():
     a = BlockAllocator(num_blocks=8, block_size=2)
     a.allocate("x", [1, 2, 3, 4, 5])

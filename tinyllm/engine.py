@@ -119,14 +119,27 @@ class Scheduler:
     """
 
     def __init__(self, pool: PagedKVCache, policy: str = "continuous", max_num_seqs: int = 16,
-                 max_num_batched_tokens: int = 512, chunked_prefill: bool = True):
+                 max_num_batched_tokens: int = 512, chunked_prefill: bool = True, watermark: float = 0.01,
+                 long_prefill_tokens: int | None = None):
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose one of: {', '.join(POLICIES)}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if not 0 <= watermark < 1:
+            raise ValueError(f"invalid watermark={watermark!r}: a fraction of the pool in [0, 1)")
+        if long_prefill_tokens is not None and long_prefill_tokens < 1:
+            raise ValueError(f"invalid long_prefill_tokens={long_prefill_tokens!r}: must be >= 1 (or None)")
         self.pool, self.policy = pool, policy
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
+        # Admission keeps this many blocks free for the running requests to grow into (vLLM's watermark, 1% by
+        # default): admitting a request into the very last blocks would only get someone preempted a few
+        # decode steps later, its prefill work thrown away.
+        self.watermark_blocks = int(watermark * pool.num_blocks)
+        # At most this many prompt tokens of one request per step (vLLM's long_prefill_token_threshold): a long
+        # prompt then enters over several steps, and the decodes that share those steps are slowed by a
+        # bounded amount (the ITL tail). None: up to the step's whole token budget.
+        self.long_prefill_tokens = long_prefill_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []          # in admission order: the last one is preempted first
         self.num_preemptions = 0
@@ -166,11 +179,15 @@ class Scheduler:
         """Tokens of `req` to run now: 1 for a decode, the rest of the prompt (or a chunk of it) for a prefill."""
         todo = len(req.prompt_ids) + len(req.output_ids) - req.num_computed
         if self.chunked_prefill:                                  # chunked prefill (Sarathi; vLLM): split long prompts
-            return min(todo, budget)
+            return min(todo, budget, self.long_prefill_tokens or todo)
         return todo if todo <= budget or batch_empty else 0
 
     def _admit(self, req: Request, now: float) -> bool:
-        """Give `req` blocks for everything it has (reusing cached prefix blocks). False if the pool is too full."""
+        """Give `req` blocks for everything it has (reusing cached prefix blocks). False if the pool is too full,
+        or would be left with fewer than the watermark's free blocks while others are running."""
+        allocator = self.pool.allocator
+        if self.running and allocator.num_free - allocator.blocks_taken(req.all_ids) < self.watermark_blocks:
+            return False
         try:
             req.cache = self.pool.new_sequence(req.all_ids, seq_id=req.request_id)
         except OutOfBlocks:
@@ -241,18 +258,22 @@ class Engine:
     """Requests in, token events out. See the module docstring for an example.
 
     model: a Transformer. KV pool: `kv_memory` ("512MiB") or `num_blocks`, of `block_size` positions each.
-    clock: a function returning seconds (tests pass a fake one).
+    Scheduling: `policy` ("continuous" or "static"), `max_num_seqs` running at once, `max_num_batched_tokens` per
+    step, `chunked_prefill`, `watermark` (share of the pool admission leaves free), `long_prefill_tokens` (most
+    prompt tokens of one request per step). clock: a function returning seconds (tests pass a fake one).
     """
 
     def __init__(self, model, kv_memory: str | int | None = None, num_blocks: int | None = None,
                  block_size: int = 16, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
                  policy: str = "continuous", chunked_prefill: bool = True, prefix_caching: bool = True,
+                 watermark: float = 0.01, long_prefill_tokens: int | None = None,
                  clock: Callable[[], float] = time.perf_counter):
         if kv_memory is None and num_blocks is None:
             kv_memory = "256MiB"
         self.model, self.clock = model, clock
         self.pool = PagedKVCache(model.config, block_size, num_blocks, kv_memory, prefix_caching)
-        self.scheduler = Scheduler(self.pool, policy, max_num_seqs, max_num_batched_tokens, chunked_prefill)
+        self.scheduler = Scheduler(self.pool, policy, max_num_seqs, max_num_batched_tokens, chunked_prefill,
+                                   watermark, long_prefill_tokens)
         self.requests: dict[str, Request] = {}
         self.steps: list[StepRecord] = []
         self._ends = set()

@@ -84,18 +84,9 @@ class BlockAllocator:
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id!r} already has blocks")
         n, bs = len(token_ids), self.block_size
-        table, keys = [], []
-        if self.prefix_caching:                            # reuse the longest cached run of full blocks
-            key = None
-            for i in range(n // bs):
-                key = hash((key, tuple(token_ids[i * bs:(i + 1) * bs])))
-                block = self.cached.get(key)
-                if block is None:
-                    break
-                table.append(block)
-                keys.append(key)
+        table, keys = self._cached_prefix(token_ids)
         n_new = self.blocks_for(n) - len(table)
-        if n_new > len(self.free_list) + len(self.evictable) - sum(1 for b in table if self.ref[b] == 0):
+        if self.blocks_taken(token_ids) > self.num_free:
             raise OutOfBlocks(f"sequence {seq_id!r} needs {n_new} new blocks, {self.num_free} free")
         for b in table:                                    # take the hits first, so eviction cannot take them
             self._take(b)
@@ -105,6 +96,25 @@ class BlockAllocator:
         self.hit_tokens += hit
         self.query_tokens += n
         return hit
+
+    def _cached_prefix(self, token_ids) -> tuple[list[int], list[int]]:
+        """The longest run of leading full blocks of `token_ids` already in the prefix cache: (blocks, keys)."""
+        table, keys, key, bs = [], [], None, self.block_size
+        if self.prefix_caching:
+            for i in range(len(token_ids) // bs):
+                key = hash((key, tuple(token_ids[i * bs:(i + 1) * bs])))
+                block = self.cached.get(key)
+                if block is None:
+                    break
+                table.append(block)
+                keys.append(key)
+        return table, keys
+
+    def blocks_taken(self, token_ids) -> int:
+        """How far `allocate(token_ids)` would lower num_free: its new blocks, plus the cached prefix blocks it
+        would take back from the evictable pool (those nobody holds). Changes nothing."""
+        table, _ = self._cached_prefix(token_ids)
+        return self.blocks_for(len(token_ids)) - len(table) + sum(1 for b in table if self.ref[b] == 0)
 
     def ensure_slots(self, seq_id, n_tokens: int) -> None:
         """Grow the block table to cover positions 0 .. n_tokens-1 (decode: one block every block_size steps)."""
