@@ -42,9 +42,11 @@ WORKLOADS = {"moderate": dict(sigma=0.9, output_len=(4, 128)),
 
 
 # --- driving the engine with arrivals in wall-clock time --------------------------------------------------------
-def serve(model, reqs, policy: str, max_num_seqs: int, kv_memory: str, block_size: int = 16) -> Engine:
+def serve(model, reqs, policy: str, max_num_seqs: int, kv_memory: str, block_size: int = 16,
+          long_prefill_tokens: int | None = None) -> Engine:
     """Feed requests at their arrival times (a real clock), step until all are done. -> the engine (metrics)."""
-    engine = Engine(model, kv_memory=kv_memory, max_num_seqs=max_num_seqs, policy=policy, block_size=block_size)
+    engine = Engine(model, kv_memory=kv_memory, max_num_seqs=max_num_seqs, policy=policy, block_size=block_size,
+                    long_prefill_tokens=long_prefill_tokens)
     pending, t0 = sorted(reqs, key=lambda r: r.arrival_s), time.perf_counter()
     while pending or engine.has_unfinished():
         now = time.perf_counter() - t0
@@ -133,28 +135,40 @@ def plot_timelines(engines: dict, slots: int, names: dict, path: Path) -> bool:
 
 
 # --- batch-size sweep ---------------------------------------------------------------------------------------------
-def sweep(model, batches, context: int, steps: int) -> dict:
-    """Median decode step time for B sequences each holding `context` positions of (random) K/V."""
-    out = {}
+def sweep(model, batches, context: int, steps: int, rounds: int = 3) -> dict:
+    """Median decode step time for B sequences each holding `context` positions of (random) K/V. The batch
+    sizes take turns over `rounds` rounds (a shared machine drifts within minutes), and each batch size reports
+    the median of its rounds' medians."""
+    setups = {}
     for B in batches:
-        pool = PagedKVCache(model.config, block_size=16, num_blocks=B * (-(-(context + steps + 2) // 16)))
+        pool = PagedKVCache(model.config, block_size=16, num_blocks=B * (-(-(context + 2) // 16)))
         rng = np.random.default_rng(0)
         pool.k[:] = rng.normal(0, 1, pool.k.shape[1:]).astype(np.float32)  # timing only: any values do
         pool.v[:] = pool.k
         seqs = [pool.new_sequence() for _ in range(B)]
         for s in seqs:                                            # pretend a prompt of `context` tokens ran
-            s.check_room(context)
+            s.check_room(context + 1)
             s.length = context
-        tokens = [int(t) for t in rng.integers(100, 40000, B)]
-        model.decode_batch(tokens, seqs)                          # warm (and first block growth)
-        times = []
-        for _ in range(steps):
-            t = time.perf_counter()
-            model.decode_batch(tokens, seqs)
-            times.append(time.perf_counter() - t)
-        step = float(np.median(times))
-        out[B] = dict(step_ms=step * 1e3, per_user_tok_s=1 / step, total_tok_s=B / step)
-        print(f"  batch {B:3d}: {step * 1e3:7.1f} ms/step, {B / step:7.1f} tok/s total", flush=True)
+        setups[B] = (seqs, [int(t) for t in rng.integers(100, 40000, B)])
+    medians = {B: [] for B in batches}
+    for _ in range(rounds):
+        for B, (seqs, tokens) in setups.items():
+            times = []
+            for i in range(steps + 1):                            # the first step warms up
+                t = time.perf_counter()
+                model.decode_batch(tokens, seqs)
+                if i:
+                    times.append(time.perf_counter() - t)
+                for s in seqs:
+                    s.truncate(context)                           # every step at the same context
+            medians[B].append(float(np.median(times)))
+    out = {}
+    for B in batches:
+        step = float(np.median(medians[B]))
+        out[B] = dict(step_ms=step * 1e3, per_user_tok_s=1 / step, total_tok_s=B / step,
+                      rounds_ms=[m * 1e3 for m in medians[B]])
+        print(f"  batch {B:3d}: {step * 1e3:7.1f} ms/step, {B / step:7.1f} tok/s total "
+              f"(rounds: {', '.join(f'{m * 1e3:.1f}' for m in medians[B])} ms)", flush=True)
     return out
 
 
@@ -227,12 +241,22 @@ def main(argv=None) -> int:
                                             contiguous_context=r["contiguous_waste_context"],
                                             throughput=r["throughput"])
         print(f"  block {bs}: paged waste {r['paged_waste']:.1%}", flush=True)
+        if bs == 16:
+            res["prefill_cap"] = {"512 (the step budget)": r}
+
+    # 5 (shown last). The prefill chunk cap against the ITL tail, same workload, blocks of 16
+    print("5. prefill chunk cap per request per step vs ITL tail", flush=True)
+    for cap in (() if q else (128, 32)):
+        engine = serve(model, wl, "continuous", 8, args.kv_memory, long_prefill_tokens=cap)
+        res["prefill_cap"][str(cap)] = summary(engine, ctx)
+        print(f"  cap {cap}: ITL p99 {res['prefill_cap'][str(cap)]['itl_p99_s'] * 1e3:.0f} ms", flush=True)
 
     # 3. batch sweep at a fixed context, and where the KV budget stops the batch
     print(f"3. batch sweep at context {args.context}", flush=True)
     batches = [1, 2, 4, 8] if q else [1, 2, 4, 8, 16, 32, 64]
     res["sweep_steps"], res["context"] = 3 if q else 5, args.context
-    res["sweep"] = sweep(model, batches, args.context, res["sweep_steps"])
+    res["sweep_rounds"] = 1 if q else 3
+    res["sweep"] = sweep(model, batches, args.context, res["sweep_steps"], res["sweep_rounds"])
     block_bytes = PagedKVCache(model.config, block_size=16, num_blocks=1).block_bytes
     per_seq_blocks = -(-(args.context + 1) // 16)
     res["kv_batch_limit"] = parse_bytes(args.kv_memory) // block_bytes // per_seq_blocks
@@ -309,8 +333,9 @@ def markdown(res: dict) -> str:
                       + "; ".join(f"{p} " + ", ".join(f"{x:.1f}" for x in r) for p, r in v["rounds"].items())
                       + ")", ""]
             lines += table(v["results"]) + [""]
-    lines += [f"### 3. Batch size at context {res['context']} (decode step over the paged cache, median of "
-              f"{res['sweep_steps']} steps)", "",
+    lines += [f"### 3. Batch size at context {res['context']} (decode step over the paged cache: the batch sizes "
+              f"take turns over {res.get('sweep_rounds', 1)} rounds of {res['sweep_steps']} steps; median of the "
+              "rounds' medians)", "",
               f"Roof: the least time a step can take on this machine, max(bytes read / {res['bandwidth_gbs']:.1f} "
               f"GB/s, FLOPs / {res['sgemm_gflops']:.0f} GFLOP/s), with the read bandwidth and the sgemm peak "
               "measured in this run (benchmarks/roofline.py's methods).", "",
@@ -341,15 +366,26 @@ def markdown(res: dict) -> str:
     short = res["poisson"]["moderate"]["by_slots"][8]["results"]["continuous"]
     lines += ["", f"With the short prompts of part 2 (moderate, 8 slots) the same 16-position blocks waste "
               f"{short['paged_waste']:.1%} (a per-request reservation {short['contiguous_waste_request']:.1%}): "
-              "sequences of a few dozen tokens leave a large share of their last block empty.",
-              "", "### Reading the ratios", "",
+              "sequences of a few dozen tokens leave a large share of their last block empty."]
+    lines += ["", "### 5. Prefill chunk cap against the ITL tail (the same chat-length workload, blocks of 16)", "",
+              "A prompt chunk shares its step with the running requests' decode tokens, so the bigger the chunk, "
+              "the longer those users wait for their next token. `long_prefill_tokens` caps the prompt tokens "
+              "one request may run per step (vLLM's long_prefill_token_threshold): a lower ITL tail, paid for with "
+              "a later first token for the new request.", "",
+              "| prompt tokens per request per step | ITL p50 / p95 / p99 ms | TTFT p50 / p95 ms | tok/s |",
+              "|---|---|---|---|"]
+    for cap, r in res["prefill_cap"].items():
+        lines.append(f"| {cap} | {r['itl_p50_s'] * ms:.0f} / {r['itl_p95_s'] * ms:.0f} / {r['itl_p99_s'] * ms:.0f} | "
+                     f"{r['ttft_p50_s'] * ms:.0f} / {r['ttft_p95_s'] * ms:.0f} | {r['throughput']:.1f} |")
+    lines += ["", "### Reading the ratios", "",
               "Continuous batching wins throughput only as far as a fuller step costs less per token than an "
               "emptier one: static batching's idle slots are free when a step's cost grows with the rows it "
               "carries. Measured here, per token of a decode step: "
               + ", ".join(f"batch {b} {sw[b]['step_ms'] / b:.1f} ms" for b in sw) + ". "
               "The wider the spread of output lengths, the more slot-steps static batching leaves idle, and the "
               "larger continuous batching's win. Its ITL tail is higher because new prompts are prefilled inside "
-              "the decode steps of running requests (chunked prefill, 512-token budget).",
+              "the decode steps of running requests (chunked prefill, 512-token budget); part 5 measures the knob "
+              "that trades that tail against the new request's TTFT.",
               "", f"A CPU reaches its compute roof at a small batch: fp32 weights give each row 2 FLOPs per 4 bytes "
               f"read, and this machine does {res['sgemm_gflops'] / res['bandwidth_gbs']:.1f} FLOPs in the time it "
               f"reads one byte, so from about {2 * res['sgemm_gflops'] / res['bandwidth_gbs']:.0f} rows on a step is "
