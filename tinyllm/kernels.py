@@ -14,7 +14,9 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import config, njit, prange, types
+from numba.extending import intrinsic
 
 from . import ops
 from .quant import BLOCK, Int8Block, Int8Channel, Q4Block
@@ -24,6 +26,39 @@ _SERIAL = dict(fastmath=True, cache=True, nogil=True)                  # small l
 
 # Used as the model's `ops` when backend="numba": every name ops.py offers, the hot ones replaced below.
 layernorm, gelu_tanh, softmax, silu, rope_tables = ops.layernorm, ops.gelu_tanh, ops.softmax, ops.silu, ops.rope_tables
+
+
+# --- exp that vectorises ----------------------------------------------------------------------------------------
+# Without Intel's SVML library Numba turns np.exp into one call of the C library's expf per value, which also stops
+# the loop around it from being vectorised: the SwiGLU of a 32-row batch and the softmaxes of its attention then
+# spend milliseconds on exponentials. exp32 computes exp(x) = 2^n * e^r with n = round(x / ln 2) and
+# r = x - n ln 2 in [-ln2/2, ln2/2] (Cody and Waite: ln 2 split in two constants so r keeps its precision), e^r by
+# its Taylor polynomial to degree 6, and 2^n by writing n + 127 into a float's exponent bits. Plain arithmetic,
+# so LLVM vectorises it: measured 10-16x faster than expf over 2.2M values, relative error 2.4e-7 (float32's
+# own rounding is 6e-8). Inputs are clamped to [-87, 88], where float32 exp neither underflows nor overflows.
+_NO_REASSOC = {"nnan", "ninf", "nsz", "arcp", "contract"}   # fastmath, minus reordering (it would undo the split)
+
+if config.DISABLE_JIT:                  # stepping through as plain Python (no LLVM): the library exponential
+    def exp32(x):
+        return np.float32(np.exp(np.float32(x)))
+else:
+    @intrinsic
+    def _float32_from_bits(typingctx, bits):
+        """int32 -> the float32 with the same bits (a reinterpretation; no instruction is emitted)."""
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.FloatType())
+        return types.float32(types.int32), codegen
+
+    @njit(fastmath=_NO_REASSOC, cache=True)
+    def exp32(x):
+        """exp(x) for float32 x, vectorisable; see above."""
+        x = min(max(x, np.float32(-87.0)), np.float32(88.0))
+        n = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))            # round(x / ln 2)
+        r = x - n * np.float32(0.693359375) - n * np.float32(-2.12194440e-4)         # x - n ln 2, in two parts
+        e_r = np.float32(1.0) + r * (np.float32(1.0) + r * (np.float32(1 / 2) + r * (np.float32(1 / 6) + r * (
+            np.float32(1 / 24) + r * (np.float32(1 / 120) + r * np.float32(1 / 720))))))
+        two_n = _float32_from_bits(np.int32((n + np.float32(127.0)) * np.float32(2.0 ** 23)))  # exponent bits
+        return e_r * two_n
 
 
 # --- linear layers: out[m, o] = sum_i W[o, i] * x[m, i], for M = 1 (decode) up to a few dozen rows ---------
@@ -273,7 +308,7 @@ def _swiglu_body(gate_up, out, t):
     F = out.shape[1]
     for i in range(F):
         g = gate_up[t, i]
-        out[t, i] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[t, F + i]
+        out[t, i] = g / (np.float32(1.0) + exp32(-g)) * gate_up[t, F + i]
 
 
 _swiglu_row = njit(**_SERIAL)(_swiglu_body)
@@ -339,7 +374,7 @@ def decode_attention(q, k, v, out):
                 m = max(m, scores[g, t])
             total = np.float32(0.0)
             for t in range(s1 - s0):
-                e = np.exp(scores[g, t] - m)
+                e = exp32(scores[g, t] - m)
                 scores[g, t] = e
                 total += e
             chunk_max[kvh, c, g], chunk_sum[kvh, c, g] = m, total
@@ -357,7 +392,7 @@ def decode_attention(q, k, v, out):
         for j in range(Dh):
             out[h, j] = 0.0
         for c in range(n_chunks):
-            w = np.exp(chunk_max[kvh, c, g] - m)
+            w = exp32(chunk_max[kvh, c, g] - m)
             total += w * chunk_sum[kvh, c, g]
             for j in range(Dh):
                 out[h, j] += w * chunk_out[kvh, c, g, j]
@@ -394,7 +429,7 @@ def causal_attention(q, k, v, start, out):
                 m = max(m, scores[g, s])
             total = np.float32(0.0)
             for s in range(n):
-                e = np.exp(scores[g, s] - m)
+                e = exp32(scores[g, s] - m)
                 scores[g, s] = e
                 total += e
             inv = np.float32(1.0) / total

@@ -24,6 +24,7 @@ import numpy as np
 from numba import njit, prange
 
 from .config import ModelConfig
+from .kernels import exp32
 
 
 class OutOfBlocks(RuntimeError):
@@ -474,7 +475,7 @@ def _paged_decode_kernel(q, k_blocks, v_blocks, block_tables, context_lens, out)
                 m = max(m, scores[h, s])
             total = np.float32(0.0)
             for s in range(S):
-                e = np.exp(scores[h, s] - m)
+                e = exp32(scores[h, s] - m)
                 scores[h, s] = e
                 total += e
             inv = np.float32(1.0) / total
