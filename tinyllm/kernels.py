@@ -61,7 +61,7 @@ else:
         return e_r * two_n
 
 
-# --- linear layers: out[m, o] = sum_i W[o, i] * x[m, i], for M = 1 (decode) up to a few dozen rows ---------
+# --- linear layers: out[m, o] = sum_i W[o, i] * x[m, i], for M = 1 (decode) up to SMALL_M rows ---------------
 # Work is split over the cores by blocks of OUT_BLOCK weight rows. Within a block, rows go in tiles of 4 weight
 # rows x 4 input rows: 16 running sums held in registers, so each loaded weight value feeds 4 multiply-adds and
 # each loaded input value feeds 4 more. A one-row-at-a-time loop would load two values per multiply-add and wait
