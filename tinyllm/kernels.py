@@ -400,6 +400,22 @@ def decode_attention(q, k, v, out):
             out[h, j] /= total
 
 
+@njit(**_SERIAL)
+def softmax_in_place(row):
+    """row [n] float32 <- softmax(row): subtract the max (no overflow), exponentiate, normalise."""
+    m = row[0]
+    for s in range(1, row.shape[0]):
+        m = max(m, row[s])
+    total = np.float32(0.0)
+    for s in range(row.shape[0]):
+        e = exp32(row[s] - m)
+        row[s] = e
+        total += e
+    inv = np.float32(1.0) / total
+    for s in range(row.shape[0]):
+        row[s] *= inv
+
+
 @njit(**_JIT)
 def causal_attention(q, k, v, start, out):
     """q [T, H, Dh] at positions start .. start+T-1, k, v [S, KVH, Dh] (S = start + T) -> out [T, H, Dh].
@@ -424,19 +440,11 @@ def causal_attention(q, k, v, start, out):
                     acc += q[t, kvh * G + g, j] * k[s, kvh, j]
                 scores[g, s] = acc * scale
         for g in range(G):
-            m = scores[g, 0]
-            for s in range(1, n):
-                m = max(m, scores[g, s])
-            total = np.float32(0.0)
-            for s in range(n):
-                e = exp32(scores[g, s] - m)
-                scores[g, s] = e
-                total += e
-            inv = np.float32(1.0) / total
+            softmax_in_place(scores[g])
             for j in range(Dh):
                 out[t, kvh * G + g, j] = 0.0
             for s in range(n):
-                p = scores[g, s] * inv
+                p = scores[g, s]
                 for j in range(Dh):
                     out[t, kvh * G + g, j] += p * v[s, kvh, j]
 

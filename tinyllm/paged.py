@@ -24,7 +24,7 @@ import numpy as np
 from numba import njit, prange
 
 from .config import ModelConfig
-from .kernels import exp32
+from .kernels import softmax_in_place
 
 
 class OutOfBlocks(RuntimeError):
@@ -470,17 +470,7 @@ def _paged_decode_kernel(q, k_blocks, v_blocks, block_tables, context_lens, out)
                     acc += q[b, h, j] * k_blocks[blk, r, h // G, j]
                 scores[h, s] = acc * scale
         for h in range(H):                                       # softmax over the S positions
-            m = scores[h, 0]
-            for s in range(1, S):
-                m = max(m, scores[h, s])
-            total = np.float32(0.0)
-            for s in range(S):
-                e = exp32(scores[h, s] - m)
-                scores[h, s] = e
-                total += e
-            inv = np.float32(1.0) / total
-            for s in range(S):
-                scores[h, s] *= inv
+            softmax_in_place(scores[h])
         acc_out = np.zeros((H, Dh), dtype=np.float32)            # [H, Dh] weighted sum of v, stays in L1
         for s in range(S):
             blk, r = block_tables[b, s // BS], s % BS
