@@ -532,9 +532,16 @@ def warmup(weight_types=(np.ndarray, Int8Channel, Int8Block, Q4Block)) -> float:
         kv = np.ones((3, 1, 4), dtype=np.float32)
         attention(np.ones((1, 2, 4), np.float32), kv, kv, 2)
         attention(np.ones((2, 2, 4), np.float32), kv, kv, 1)                # several query tokens
+        qkv = np.ones((3, 12), dtype=np.float32)                   # no cache: v stays a strided view of qkv
+        attention(np.ones((3, 2, 4), np.float32), kv, qkv[:, 8:].reshape(3, 1, 4), 0)
+        from . import paged                                         # (imported here: paged imports this module)
+        blocks = np.ones((2, 2, 1, 4), dtype=np.float32)            # [NB, BS, KVH, Dh]
+        paged.paged_decode_attention(np.ones((2, 2, 4), np.float32), blocks, blocks,
+                                     np.zeros((2, 1), np.int32), np.ones(2, np.int32))
         rmsnorm(x, x[0], 1e-5)
-        qkv = np.ones((1, 16), dtype=np.float32)                    # q and k are strided views of the qkv row
-        apply_rope(qkv[:, :8].reshape(1, 2, 4), np.ones((1, 2), np.float32), np.ones((1, 2), np.float32))
+        for T in (1, 2):            # q and k are views of the qkv rows: contiguous for one row, strided for more
+            qkv = np.ones((T, 16), dtype=np.float32)
+            apply_rope(qkv[:, :8].reshape(T, 2, 4), np.ones((T, 2), np.float32), np.ones((T, 2), np.float32))
         swiglu(np.ones((1, 4), np.float32))
         swiglu(np.ones((4, 4), np.float32))                        # the parallel form, for batches
         _warmed.add("ops")
