@@ -146,6 +146,43 @@ def decode_step_time(model, S: int, steps: int, rng, batch: int = 1) -> float:
     return float(np.median(times))
 
 
+def step_breakdown(model, S: int, steps: int, rng) -> dict:
+    """Where a batch-1 decode step's time goes: ms per step inside each function of the model's ops (linear,
+    attention, ...), and "outside" = the rest: Python, numpy glue between the calls, the cache update. Each op
+    call is timed by a thin wrapper, which adds about a microsecond per call to "outside"."""
+    real_ops, inside = model.ops, {}
+
+    class Timed:                                                    # model.ops, with a stopwatch around each call
+        def __getattr__(self, name):
+            f = getattr(real_ops, name)
+            if not callable(f):
+                return f
+
+            def timed(*args, **kwargs):
+                t0 = time.perf_counter()
+                out = f(*args, **kwargs)
+                inside[name] = inside.get(name, 0.0) + time.perf_counter() - t0
+                return out
+            return timed
+
+    cache = filled_cache(model, S, rng)
+    model.decode_step(1, cache)
+    cache.truncate(S)
+    model.ops = Timed()
+    try:
+        t0 = time.perf_counter()
+        for i in range(steps):
+            model.decode_step(100 + i, cache)
+            cache.truncate(S)
+        total = (time.perf_counter() - t0) / steps
+    finally:
+        model.ops = real_ops
+    out = {name: t / steps * 1e3 for name, t in sorted(inside.items(), key=lambda kv: -kv[1])}
+    out["outside"] = total * 1e3 - sum(out.values())
+    out["total"] = total * 1e3
+    return out
+
+
 def prefill_time(model, T: int, repeats: int, rng) -> float:
     ids = rng.integers(100, 20000, size=T)
     return median_time(lambda: model.prefill(ids, model.new_cache(T)), repeats)
@@ -195,6 +232,10 @@ def run(args) -> dict:
         headline[fmt]["speedup_vs_fp32"] = headline[fmt]["decode_tok_s"] / (1 / np.median(rounds["fp32"]["decode"]))
     res["headline"] = headline
 
+    # where a step's time goes, fp32 and int8
+    res["breakdown"] = {fmt: step_breakdown(models[fmt], S, args.steps, rng) for fmt in ("fp32", "int8")}
+    print(f"step breakdown: {res['breakdown']}", flush=True)
+
     # context sweep: the KV cache's share of the bytes grows with S
     res["context"] = {}
     for fmt in FORMATS:
@@ -242,7 +283,19 @@ def markdown(res: dict, args) -> str:
                    f"{r['speedup_vs_fp32']:.2f}x | {r['achieved_gbs']:.1f} | {r['bw_fraction']:.0%} | "
                    f"{r['ceiling_tok_s']:.0f} | {r['prefill_tok_s']:.0f} | {r['prefill_gflops']:.0f} | "
                    f"{r['prefill_peak_fraction']:.0%} |")
-    out += ["", f"Ceiling = measured bandwidth ({bw:.1f} GB/s) / bytes per token.", "",
+    out += ["", f"Ceiling = measured bandwidth ({bw:.1f} GB/s) / bytes per token.", ""]
+    if "breakdown" in res:
+        bd = res["breakdown"]
+        names = [n for n in bd["fp32"] if n not in ("outside", "total")]
+        out += [f"Where a decode step's time goes (batch 1, context {args.context}, ms per step; each call of the "
+                "model's ops timed, `outside` = everything between them: Python, numpy glue, the cache update):",
+                "", "| format | " + " | ".join(names) + " | outside | total | outside share |",
+                "|---|" + "---|" * (len(names) + 3)]
+        for fmt, r in bd.items():
+            out.append(f"| {fmt} | " + " | ".join(f"{r.get(n, 0.0):.2f}" for n in names)
+                       + f" | {r['outside']:.2f} | {r['total']:.2f} | {r['outside'] / r['total']:.0%} |")
+        out += [""]
+    out += [
             "Decode tok/s against context length (batch 1; every token of context adds "
             f"{res['kv_bytes_per_token'] / 1e3:.1f} kB of float32 K and V to each step's read):", "",
             "| format | " + " | ".join(f"S={s}" for s in args.contexts) + " |",
