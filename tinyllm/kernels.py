@@ -304,14 +304,12 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return out
 
 
-def _swiglu_body(gate_up, out, t):
+@njit(**_SERIAL)
+def _swiglu_row(gate_up, out, t):
     F = out.shape[1]
     for i in range(F):
         g = gate_up[t, i]
         out[t, i] = g / (np.float32(1.0) + exp32(-g)) * gate_up[t, F + i]
-
-
-_swiglu_row = njit(**_SERIAL)(_swiglu_body)
 
 
 @njit(**_SERIAL)
@@ -322,7 +320,7 @@ def _swiglu(gate_up, out):
 
 @njit(**_JIT)
 def _swiglu_rows(gate_up, out):
-    """The same over rows in parallel: a batch's F x rows exponentials (no vectorised exp without SVML) add up."""
+    """The same over rows in parallel, for batches and prompt chunks (F exponentials per row add up)."""
     for t in prange(out.shape[0]):
         _swiglu_row(gate_up, out, t)
 
