@@ -21,7 +21,7 @@ def weight(fmt, shape):
     return w if fmt == "fp32" else quant.quantize(w, fmt)
 
 
-@pytest.mark.parametrize("M", [1, 8])
+@pytest.mark.parametrize("M", [1, 8, 32])
 @pytest.mark.parametrize("shape_name", list(SHAPES))
 @pytest.mark.parametrize("fmt", ["fp32", "int8", "int8-block", "q4_1"])
 def test_linear_numba(benchmark, fmt, shape_name, M):
@@ -72,3 +72,41 @@ def test_small_ops_per_token(benchmark, impl):
 
     glue()
     benchmark(glue)
+
+
+@pytest.mark.parametrize("impl", ["numba", "numpy"])
+def test_causal_attention(benchmark, impl):
+    """A 4-token speculative verification after 256 cached positions (several query rows, causal)."""
+    T, S = 4, 260
+    q = RNG.normal(size=(T, 9, 64)).astype(np.float32)
+    k = RNG.normal(size=(S, 3, 64)).astype(np.float32)
+    v = RNG.normal(size=(S, 3, 64)).astype(np.float32)
+    fn = kernels.attention if impl == "numba" else ops.attention
+    fn(q, k, v, S - T)
+    benchmark.extra_info["bytes"] = k.nbytes + v.nbytes
+    benchmark(fn, q, k, v, S - T)
+
+
+@pytest.mark.parametrize("impl", ["numba", "numpy"])
+def test_paged_decode_attention(benchmark, impl):
+    """32 sequences x 257 positions in blocks of 16, scattered over the pool: one batched decode step's layer."""
+    from tinyllm import paged
+    B, S, BS = 32, 257, 16
+    nb = -(-S // BS)
+    blocks = RNG.normal(size=(B * nb, BS, 3, 64)).astype(np.float32)
+    tables = RNG.permutation(B * nb).astype(np.int32).reshape(B, nb)
+    lens = np.full(B, S, np.int32)
+    q = RNG.normal(size=(B, 9, 64)).astype(np.float32)
+    fn = paged.paged_decode_attention if impl == "numba" else paged.paged_decode_attention_numpy
+    fn(q, blocks, blocks, tables, lens)
+    benchmark.extra_info["bytes"] = 2 * B * S * 3 * 64 * 4
+    benchmark(fn, q, blocks, blocks, tables, lens)
+
+
+@pytest.mark.parametrize("impl", ["numba", "numpy"])
+def test_swiglu_batch(benchmark, impl):
+    """SwiGLU over 32 rows (a batched decode step): 32 x 1536 exponentials."""
+    o = kernels if impl == "numba" else ops
+    gu = RNG.normal(size=(32, 3072)).astype(np.float32)
+    o.swiglu(gu)
+    benchmark(o.swiglu, gu)
