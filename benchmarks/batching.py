@@ -135,10 +135,10 @@ def plot_timelines(engines: dict, slots: int, names: dict, path: Path) -> bool:
 
 
 # --- batch-size sweep ---------------------------------------------------------------------------------------------
-def sweep(model, batches, context: int, steps: int, rounds: int = 3) -> dict:
+def sweep(model, batches, context: int, steps: int, rounds: int = 3, after_round=None) -> dict:
     """Median decode step time for B sequences each holding `context` positions of (random) K/V. The batch
     sizes take turns over `rounds` rounds (a shared machine drifts within minutes), and each batch size reports
-    the median of its rounds' medians."""
+    the median of its rounds' medians. after_round: called after each round (to sample the machine's roofs)."""
     setups = {}
     for B in batches:
         pool = PagedKVCache(model.config, block_size=16, num_blocks=B * (-(-(context + 2) // 16)))
@@ -162,6 +162,8 @@ def sweep(model, batches, context: int, steps: int, rounds: int = 3) -> dict:
                 for s in seqs:
                     s.truncate(context)                           # every step at the same context
             medians[B].append(float(np.median(times)))
+        if after_round is not None:
+            after_round()
     out = {}
     for B in batches:
         step = float(np.median(medians[B]))
@@ -256,15 +258,22 @@ def main(argv=None) -> int:
     batches = [1, 2, 4, 8] if q else [1, 2, 4, 8, 16, 32, 64]
     res["sweep_steps"], res["context"] = 3 if q else 5, args.context
     res["sweep_rounds"] = 1 if q else 3
-    res["sweep"] = sweep(model, batches, args.context, res["sweep_steps"], res["sweep_rounds"])
+    # the machine's roofs, sampled after every round of the sweep (they drift as much as the sweep does)
+    threads = args.threads or os.cpu_count()
+    roofs = dict(bandwidth=[], sgemm=[])
+
+    def sample_roofs():
+        roofs["bandwidth"].append(read_bandwidth(threads, repeats=3))
+        roofs["sgemm"].append(sgemm_gflops(2048, 2048, 2048, repeats=3))
+    res["sweep"] = sweep(model, batches, args.context, res["sweep_steps"], res["sweep_rounds"], sample_roofs)
+    res["roof_samples"] = roofs
     block_bytes = PagedKVCache(model.config, block_size=16, num_blocks=1).block_bytes
     per_seq_blocks = -(-(args.context + 1) // 16)
     res["kv_batch_limit"] = parse_bytes(args.kv_memory) // block_bytes // per_seq_blocks
     # the roofline's limit on the batch ratio, from this machine's roofs measured now: a step takes at least
     # max(bytes / bandwidth, FLOPs / sgemm peak); batch 1 is bound by bytes, a large batch by FLOPs
-    threads = args.threads or os.cpu_count()
-    res["bandwidth_gbs"] = read_bandwidth(threads, repeats=3 if q else 9)
-    res["sgemm_gflops"] = sgemm_gflops(2048, 2048, 2048)
+    res["bandwidth_gbs"] = float(np.median(roofs["bandwidth"]))
+    res["sgemm_gflops"] = float(np.median(roofs["sgemm"]))
     res["roof_step_ms"] = {b: 1e3 * max(decode_bytes(model, args.context, b) / (res["bandwidth_gbs"] * 1e9),
                                         decode_flops(model, args.context, b) / (res["sgemm_gflops"] * 1e9))
                            for b in batches}
@@ -338,7 +347,11 @@ def markdown(res: dict) -> str:
               "rounds' medians)", "",
               f"Roof: the least time a step can take on this machine, max(bytes read / {res['bandwidth_gbs']:.1f} "
               f"GB/s, FLOPs / {res['sgemm_gflops']:.0f} GFLOP/s), with the read bandwidth and the sgemm peak "
-              "measured in this run (benchmarks/roofline.py's methods).", "",
+              "measured in this run (benchmarks/roofline.py's methods): the medians of samples taken after each "
+              "round of the sweep"
+              + (" (bandwidth " + ", ".join(f"{v:.1f}" for v in res["roof_samples"]["bandwidth"]) + " GB/s; sgemm "
+                 + ", ".join(f"{v:.0f}" for v in res["roof_samples"]["sgemm"]) + " GFLOP/s)."
+                 if "roof_samples" in res else "."), "",
               "| batch | ITL per user (= step) ms | tok/s per user | total tok/s | vs batch 1 | roof step ms | "
               "roof total tok/s | roof vs roof batch 1 |", "|---|---|---|---|---|---|---|---|"]
     for b, r in sw.items():
