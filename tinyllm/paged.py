@@ -87,7 +87,7 @@ class BlockAllocator:
         n, bs = len(token_ids), self.block_size
         table, keys = self._cached_prefix(token_ids)
         n_new = self.blocks_for(n) - len(table)
-        if self.blocks_taken(token_ids) > self.num_free:
+        if self._taken(table, n) > self.num_free:
             raise OutOfBlocks(f"sequence {seq_id!r} needs {n_new} new blocks, {self.num_free} free")
         for b in table:                                    # take the hits first, so eviction cannot take them
             self._take(b)
@@ -114,8 +114,11 @@ class BlockAllocator:
     def blocks_taken(self, token_ids) -> int:
         """How far `allocate(token_ids)` would lower num_free: its new blocks, plus the cached prefix blocks it
         would take back from the evictable pool (those nobody holds). Changes nothing."""
-        table, _ = self._cached_prefix(token_ids)
-        return self.blocks_for(len(token_ids)) - len(table) + sum(1 for b in table if self.ref[b] == 0)
+        return self._taken(self._cached_prefix(token_ids)[0], len(token_ids))
+
+    def _taken(self, hits: list[int], n_tokens: int) -> int:
+        """Free blocks used by a sequence of n_tokens whose cached prefix is `hits`."""
+        return self.blocks_for(n_tokens) - len(hits) + sum(1 for b in hits if self.ref[b] == 0)
 
     def ensure_slots(self, seq_id, n_tokens: int) -> None:
         """Grow the block table to cover positions 0 .. n_tokens-1 (decode: one block every block_size steps)."""
