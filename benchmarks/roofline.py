@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 from report import machine_info, machine_line, replace_section  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-FORMATS = ["fp32", "int8", "int8-block", "q4_1"]
+FORMATS = ["fp32", "int8", "int8-block", "q4_1", "int8+a8", "q4_1+a8"]   # +a8: int8 activations too (quant.py)
 BEGIN, END = "<!-- roofline:begin -->", "<!-- roofline:end -->"
 
 
@@ -219,7 +219,8 @@ def run(args) -> dict:
     models = {}
     for fmt in FORMATS:
         t0 = time.perf_counter()
-        models[fmt] = tinyllm.load(quant=None if fmt == "fp32" else fmt)
+        quant, _, a8 = fmt.partition("+")
+        models[fmt] = tinyllm.load(quant=None if quant == "fp32" else quant, activations="int8" if a8 else "float32")
         print(f"loaded {fmt}: {models[fmt].weight_bytes / 1e6:.1f} MB in {time.perf_counter() - t0:.1f} s "
               f"(JIT {models[fmt].jit_s:.1f} s)", flush=True)
 
@@ -262,7 +263,7 @@ def run(args) -> dict:
     res["headline"] = headline
 
     # where a step's time goes, fp32 and int8
-    res["breakdown"] = {fmt: step_breakdown(models[fmt], S, args.steps, rng) for fmt in ("fp32", "int8")}
+    res["breakdown"] = {fmt: step_breakdown(models[fmt], S, args.steps, rng) for fmt in ("fp32", "int8", "int8+a8")}
     res["fixed_step_ms"] = fixed_step_ms(models["fp32"], S, args.steps)
     res["n_layers"] = models["fp32"].config.n_layers
     print(f"step breakdown: {res['breakdown']}", flush=True)
@@ -322,7 +323,9 @@ def markdown(res: dict, args) -> str:
                    f"{r['speedup_vs_fp32']:.2f}x | {r['achieved_gbs']:.1f} | {r['bw_fraction']:.0%} | "
                    f"{r['ceiling_tok_s']:.0f} | {r['prefill_tok_s']:.0f} | {r['prefill_gflops']:.0f} | "
                    f"{r['prefill_peak_fraction']:.0%} |")
-    out += ["", f"Ceiling = measured bandwidth ({bw:.1f} GB/s) / bytes per token.", ""]
+    out += ["", f"Ceiling = measured bandwidth ({bw:.1f} GB/s) / bytes per token. `+a8`: the same weights with "
+            "`activations=\"int8\"`: each linear's input rounded to int8 blocks and multiplied in integers (AVX-512 "
+            "VNNI, llama.cpp's scheme; benchmarks/quality.py gives its cost in accuracy).", ""]
     if "breakdown" in res:
         bd = res["breakdown"]
         names = [n for n in bd["fp32"] if n not in ("outside", "total")]
@@ -338,7 +341,9 @@ def markdown(res: dict, args) -> str:
         out += [f"The fixed cost of a step: the same code path and {res.get('n_layers', 30)} layers with tiny "
                 f"matrices (dim 64) take {res['fixed_step_ms']:.2f} ms per decode step. That is Python, the ~300 "
                 "calls and the start of each parallel kernel, paid by every step whatever the weight format: "
-                f"{res['fixed_step_ms'] / res['breakdown']['int8']['total']:.0%} of an int8 step here.", ""]
+                f"{res['fixed_step_ms'] / res['breakdown']['int8']['total']:.0%} of an int8 step here, "
+                f"{res['fixed_step_ms'] / res['breakdown'].get('int8+a8', res['breakdown']['int8'])['total']:.0%} "
+                "of an int8+a8 step.", ""]
     out += [
             "Decode tok/s against context length (batch 1; every token of context adds "
             f"{res['kv_bytes_per_token'] / 1e3:.1f} kB of float32 K and V to each step's read):", "",
@@ -363,18 +368,21 @@ def markdown(res: dict, args) -> str:
     def verdict(value, target, fmt, unit=""):
         return f"{value:{fmt}}{unit} ({'met' if value >= target else 'NOT met'})"
     out += ["### Targets (issue 3), ratios from this run", "",
-            f"- int8 decode >= 3.0x fp32: {verdict(h['int8']['speedup_vs_fp32'], 3.0, '.2f', 'x')}",
-            f"- 4-bit (q4_1) decode >= 4.0x fp32: {verdict(h['q4_1']['speedup_vs_fp32'], 4.0, '.2f', 'x')}",
+            f"- int8 decode >= 3.0x fp32: {verdict(h['int8']['speedup_vs_fp32'], 3.0, '.2f', 'x')}; "
+            f"with int8 activations {verdict(h['int8+a8']['speedup_vs_fp32'], 3.0, '.2f', 'x')}",
+            f"- 4-bit (q4_1) decode >= 4.0x fp32: {verdict(h['q4_1']['speedup_vs_fp32'], 4.0, '.2f', 'x')}; "
+            f"with int8 activations {verdict(h['q4_1+a8']['speedup_vs_fp32'], 4.0, '.2f', 'x')}",
             f"- fp32 decode >= 80% of the measured read bandwidth: {verdict(h['fp32']['bw_fraction'], 0.8, '.1%')}",
-            f"- int8 decode >= 70% of the measured read bandwidth: {verdict(h['int8']['bw_fraction'], 0.7, '.1%')}",
+            f"- int8 decode >= 70% of the measured read bandwidth: {verdict(h['int8']['bw_fraction'], 0.7, '.1%')}; "
+            f"with int8 activations {verdict(h['int8+a8']['bw_fraction'], 0.7, '.1%')}",
             f"- fp32 prefill >= 80% of the measured sgemm peak: "
             f"{verdict(h['fp32']['prefill_peak_fraction'], 0.8, '.1%')}"]
     if "roof_samples" in res:                                       # the strictest reading, for comparison
         top_bw, top_peak = max(res["roof_samples"]["bandwidth"]), max(res["roof_samples"]["sgemm"])
         out += ["", "Against the highest roofs measured anywhere in the run instead (bandwidth "
                 f"{top_bw:.1f} GB/s, sgemm {top_peak:.0f} GFLOP/s; median figures of the table): fp32 decode "
-                f"{h['fp32']['achieved_gbs'] / top_bw:.1%}, int8 decode {h['int8']['achieved_gbs'] / top_bw:.1%} of "
-                f"bandwidth; fp32 prefill {h['fp32']['prefill_gflops'] / top_peak:.1%} of sgemm."]
+                f"{h['fp32']['achieved_gbs'] / top_bw:.1%}, int8 decode {h['int8']['achieved_gbs'] / top_bw:.1%}, "
+                f"int8+a8 {h['int8+a8']['achieved_gbs'] / top_bw:.1%} of bandwidth; fp32 prefill {h['fp32']['prefill_gflops'] / top_peak:.1%} of sgemm."]
     out += [END]
     return "\n".join(out)
 

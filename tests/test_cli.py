@@ -47,6 +47,7 @@ def test_json_output(tiny_path):
     (["--top-p", "0"], "invalid top_p"),
     (["--threads", "999"], "invalid threads"),
     (["--max-new-tokens", "0"], "invalid max_new_tokens"),
+    (["--activations", "int8"], "activations='int8' needs quantized weights"),
 ])
 def test_bad_values_one_line_exit_2(tiny_path, args, message):
     r = run("--prompt", "hello", *args, model=tiny_path)

@@ -21,6 +21,58 @@ def test_linear_matches_numpy(fmt, M, O, I):
     np.testing.assert_allclose(got, want, atol=2e-5 * np.sqrt(I), rtol=1e-5)
 
 
+@pytest.mark.parametrize("fmt", list(quant.FORMATS))
+@pytest.mark.parametrize("M", [1, 2, 3, 7, 8, 9, 130])
+@pytest.mark.parametrize("O, I", [(1, 32), (33, 64), (130, 96), (7, 1536), (5, 544)])
+def test_linear_with_int8_inputs_matches_numpy(fmt, M, O, I):
+    """Weights that multiply int8-rounded inputs: the integer (VNNI) kernels below TILE_MIN_ROWS rows, the tiled
+    float kernels on the rounded rows above, BLAS beyond SMALL_M rows, all against ops.linear."""
+    w = RNG.normal(0, 0.1, (O, I)).astype(np.float32)
+    x = RNG.normal(0, 1, (M, I)).astype(np.float32)
+    x[:, :3] *= 20                                                    # an outlier block, as real activations have
+    qw = quant.quantize(w, fmt)
+    qw.int8_inputs = True
+    want = ops.linear(x, qw)
+    np.testing.assert_allclose(kernels.linear(x, qw), want, atol=2e-5 * np.sqrt(I), rtol=1e-5)
+    qw.int8_inputs = False                                            # and the flag is what decides
+    assert np.abs(ops.linear(x, qw) - want).max() > 1e-4
+
+
+@pytest.mark.parametrize("I", [1, 31, 32, 33, 100, 576])
+def test_quantize_rows_rounds_exactly_as_numpy(I):
+    x = RNG.normal(0, 1, (3, I)).astype(np.float32)
+    x[1] = 0.0                                                        # all-zero blocks: scale 1, zeros
+    x[2, : min(I, 32)] = np.arange(min(I, 32)) * 0.5                  # exact halves: ties round to even
+    xq, xabs, xs = kernels.quantize_rows(x)
+    want_q, want_s = quant.quantize_activations(x)
+    np.testing.assert_array_equal(xq, want_q)
+    np.testing.assert_array_equal(xs, want_s)
+    np.testing.assert_array_equal(xabs, np.abs(want_q))
+    np.testing.assert_array_equal(kernels.round_rows(x), quant.round_activations(x))
+
+
+@pytest.mark.skipif(not kernels.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI")
+@pytest.mark.parametrize("fmt", list(quant.FORMATS))
+def test_integer_kernels_match_the_float_kernels_on_rounded_inputs(fmt):
+    """The two implementations of int8 inputs in kernels.py agree: integer dot products (vpdpbusd) and the
+    float kernels given the rounded rows (what a CPU without VNNI runs)."""
+    w = RNG.normal(0, 0.1, (67, 320)).astype(np.float32)
+    x = RNG.normal(0, 1, (5, 320)).astype(np.float32)
+    qw = quant.quantize(w, fmt)
+    got, want = np.empty((5, 67), np.float32), np.empty((5, 67), np.float32)
+    xr = kernels.round_rows(x)
+    if fmt == "int8":
+        kernels.linear_int8_channel_vnni(qw.q, qw.scale, x, got)
+        kernels.linear_int8_channel(qw.q, qw.scale, xr, want)
+    elif fmt == "int8-block":
+        kernels.linear_int8_block_vnni(qw.q, qw.scale, x, got)
+        kernels.linear_int8_block(qw.q, qw.scale, xr, want)
+    else:
+        kernels.linear_q4_vnni(qw.packed, qw.d, qw.m, x, got)
+        kernels.linear_q4(qw.packed, qw.d, qw.m, xr, want)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)
+
+
 def test_int8_channel_odd_width_not_multiple_of_block():
     w = RNG.normal(0, 0.1, (9, 45)).astype(np.float32)               # per-channel works for any width
     qw = quant.quantize_int8_channel(w)
@@ -103,20 +155,23 @@ def signatures():
     return {(mod.__name__, name, sig) for mod in (kernels, paged) for name, f in vars(mod).items()
             if isinstance(f, CPUDispatcher) for sig in f.signatures}
 
-model = random_model("llama", context_length=64)                # builds the model, which warms up its kernels
-before = signatures()
-cache = model.new_cache(64)
-model.prefill([1, 2, 3, 4, 5], cache)                           # several rows: strided q/k views
-model.decode_step(6, cache)
-model.forward([7, 8, 9], cache)                                 # a verification pass after a cache
-model.logits([1, 2, 3])                                         # no cache: strided k/v views
-pool = paged.PagedKVCache(model.config, block_size=4, num_blocks=16)
-seqs = [pool.new_sequence() for _ in range(3)]
-model.forward_batch([[1, 2], [3], [4, 5, 6]], seqs)
-model.decode_batch([1, 2, 3], seqs)                             # the engine's batched paged step
-model.forward_batch([list(range(1, 10))] * 2, [None, None])     # tiled linears
-new = signatures() - before
-assert not new, new
+for quant in (None, "int8", "int8-block", "q4_1"):
+    model = random_model("llama", context_length=64, dim=64, ffn_dim=64, quant=quant)   # warms up its kernels
+    before = signatures()
+    for activations in ("float32", "int8") if quant else ("float32",):
+        model.activations = activations
+        cache = model.new_cache(64)
+        model.prefill([1, 2, 3, 4, 5], cache)                       # several rows: strided q/k views
+        model.decode_step(6, cache)
+        model.forward([7, 8, 9], cache)                             # a verification pass after a cache
+        model.logits([1, 2, 3])                                     # no cache: strided k/v views
+        pool = paged.PagedKVCache(model.config, block_size=4, num_blocks=16)
+        seqs = [pool.new_sequence() for _ in range(3)]
+        model.forward_batch([[1, 2], [3], [4, 5, 6]], seqs)
+        model.decode_batch([1, 2, 3], seqs)                         # the engine's batched paged step
+        model.forward_batch([list(range(1, 10))] * 2, [None, None]) # tiled linears
+    new = signatures() - before
+    assert not new, (quant, new)
 """
 
 

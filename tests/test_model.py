@@ -7,13 +7,15 @@ from tinyllm import ops
 from tinyllm.config import ModelConfig
 from tinyllm.kv_cache import CacheFullError
 from tinyllm.model import Transformer
-from tinyllm.weights import expected_shapes, unpermute_rope_rows
+from tinyllm.weights import expected_shapes, quantize_weights, unpermute_rope_rows
 
 from tiny_gguf import tiny_llama
 
 
-def random_model(arch: str, seed: int = 0, **overrides) -> Transformer:
-    """A random model built straight from canonical weight names (no tokenizer)."""
+def random_model(arch: str, seed: int = 0, quant: str | None = None, activations: str = "float32",
+                 **overrides) -> Transformer:
+    """A random model built straight from canonical weight names (no tokenizer), its matrices quantized to
+    `quant` if given (the block formats need dim and ffn_dim multiples of 32)."""
     kw = dict(arch=arch, vocab_size=50, dim=32, n_layers=2, n_heads=4, n_kv_heads=2 if arch == "llama" else 4,
               ffn_dim=48, context_length=64, attn_bias=arch == "gpt2")
     kw.update(overrides)
@@ -23,7 +25,8 @@ def random_model(arch: str, seed: int = 0, **overrides) -> Transformer:
     for name, shape in expected_shapes(config).items():
         is_norm = name.endswith(("norm",))
         weights[name] = (1 + rng.normal(0, 0.1, shape) if is_norm else rng.normal(0, 0.3, shape)).astype(np.float32)
-    return Transformer(config, weights)
+    weights, _ = quantize_weights(weights, quant)
+    return Transformer(config, weights, quant=quant, activations=activations)
 
 
 @pytest.fixture(params=[("llama", "numba"), ("llama", "numpy"), ("gpt2", "numba"), ("gpt2", "numpy")],
@@ -179,3 +182,29 @@ def test_decode_batch_equals_decode_step(model):
     got = model.decode_batch([4, 5, 6], caches)                      # [B, V]
     for j, s in enumerate(singles):
         np.testing.assert_allclose(got[j], model.decode_step(4 + j, s), atol=1e-4)
+
+
+@pytest.mark.parametrize("quant", ["int8", "int8-block", "q4_1"])
+def test_int8_activations_prefill_then_decode_matches_no_cache_forward(quant):
+    """With int8 inputs, decode runs the integer kernels and the no-cache pass the tiled float kernels on the
+    rounded rows: the same arithmetic, so the same logits."""
+    m = random_model("llama", dim=64, ffn_dim=64, quant=quant, activations="int8")
+    ids = np.random.default_rng(1).integers(0, 50, 20)
+    full = m.logits(ids)                                            # [20, V]
+    cache = m.new_cache(64)
+    got = [m.prefill(ids[:12], cache).reshape(-1)]
+    got += [m.decode_step(int(t), cache).reshape(-1) for t in ids[12:19]]
+    np.testing.assert_allclose(np.stack(got), full[11:19], atol=1e-4)
+    m.activations = "float32"                                       # weight-only: another result
+    assert np.abs(m.logits(ids) - full).max() > 1e-3
+
+
+def test_activations_setting():
+    m = random_model("llama", dim=64, ffn_dim=64, quant="int8")
+    assert m.activations == "float32" and not any(w.int8_inputs for w in m._matrices())
+    m.activations = "int8"
+    assert all(w.int8_inputs for w in m._matrices()) and "int8 activations" in repr(m)
+    with pytest.raises(ValueError, match="unknown activations 'int4'"):
+        m.activations = "int4"
+    with pytest.raises(ValueError, match="needs quantized weights"):
+        random_model("llama", activations="int8")

@@ -20,6 +20,7 @@ from .kv_cache import ContiguousKVCache
 from .quant import QuantizedWeight
 
 BACKENDS = ("numba", "numpy")
+ACTIVATIONS = ("float32", "int8")
 
 
 def fuse_rows(parts):
@@ -60,7 +61,7 @@ class Transformer:
     """
 
     def __init__(self, config: ModelConfig, weights: dict, tokenizer=None, backend: str = "numba",
-                 quant: str | None = None, quant_report: list | None = None):
+                 quant: str | None = None, quant_report: list | None = None, activations: str = "float32"):
         self.config = config
         self.tokenizer = tokenizer
         self.quant = quant or "fp32"
@@ -86,6 +87,7 @@ class Transformer:
             ))
         if c.arch == "llama":  # one table of rotation angles for every position the model supports
             self.rope_cos, self.rope_sin = ops.rope_tables(c.head_dim, c.context_length, c.rope_theta)
+        self.activations = activations      # validated by its property setter, like backend
         self.backend = backend              # validated (and kernels warmed up) by the property setter below
 
     @property
@@ -104,6 +106,24 @@ class Transformer:
         else:
             self.ops = ops
         self._backend = name
+
+    @property
+    def activations(self) -> str:
+        return self._activations
+
+    @activations.setter
+    def activations(self, name: str) -> None:
+        """"float32": quantized matrices multiply the float32 activations (weight-only quantization). "int8": they
+        multiply the activations rounded to int8 blocks, in integer arithmetic (quant.py; faster, less exact)."""
+        if name not in ACTIVATIONS:
+            raise ValueError(f"unknown activations {name!r}; choose one of: {', '.join(ACTIVATIONS)}")
+        quantized = [w for w in self._matrices() if isinstance(w, QuantizedWeight)]
+        if name == "int8" and not quantized:
+            raise ValueError("activations='int8' needs quantized weights: load with quant='int8', 'int8-block', "
+                             "'q4_1' or 'native'")
+        for w in quantized:
+            w.int8_inputs = name == "int8"
+        self._activations = name
 
     # --- the three public ways in ----------------------------------------------------------------------------
     def logits(self, ids) -> np.ndarray:
@@ -272,4 +292,4 @@ class Transformer:
         c = self.config
         return (f"Transformer({c.name or c.arch}: {c.n_layers} layers, D={c.dim}, H={c.n_heads}, KVH={c.n_kv_heads}, "
                 f"V={c.vocab_size}, {c.n_params / 1e6:.1f}M params, {self.quant} weights {self.weight_bytes / 2**20:.0f} "
-                f"MiB, backend={self.backend})")
+                f"MiB, {self.activations} activations, backend={self.backend})")

@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import numpy as np
 
+from .quant import round_activations
+
 
 def linear(x: np.ndarray, w, b: np.ndarray | None = None) -> np.ndarray:
     """y = x W^T (+ b). `w` is [out, in] (PyTorch's layout), so each output is one row of w dotted with x.
 
-    A quantized weight (quant.py) is dequantized to float32 first: the readable reference, not the fast path
-    (kernels.linear reads the quantized bytes directly).
+    A quantized weight (quant.py) is dequantized to float32 first (and x rounded to int8 blocks if the weight
+    asks for int8 inputs): the readable reference, not the fast path (kernels.linear reads the quantized bytes).
     """
     if not isinstance(w, np.ndarray):
+        if w.int8_inputs:
+            x = round_activations(x)                    # [T, in], each value now int8 * its block's scale
         w = w.dequantize()                              # [out, in] float32
     y = x @ w.T                                         # [T, in] @ [in, out] -> [T, out]
     return y if b is None else y + b

@@ -1,7 +1,7 @@
 """Weight-only quantization: fewer bytes per weight, so a memory-bound decode step reads less and runs faster.
 
 Three formats, each a small dataclass that `linear` dispatches on (the one seam; see ops.linear and
-kernels.linear). Activations, norms and the KV cache stay float32; only the big matrices shrink.
+kernels.linear). Norms and the KV cache stay float32; only the big matrices shrink.
 
     format        stores (per row of I values)                              bytes/value  x = ...
     int8          q int8[I], one fp32 scale per row                         ~1.0         scale * q
@@ -12,9 +12,19 @@ kernels.linear). Activations, norms and the KV cache stay float32; only the big 
 Rounding is to nearest (not truncation); an all-zero row or block gets scale 1 so it still decodes to zeros.
 The default model's file already holds Q4_1 matrices and a Q8_0 embedding: `from_gguf_block` repacks those
 bytes without loss, so tinyllm can run on the file's own 4-bit weights.
+
+Optionally the input of a quantized linear is rounded too, as llama.cpp always does: each row of activations to
+int8 with one scale per block of 32 values (Q8_0's scheme, `quantize_activations`; `int8_inputs` on a weight,
+set for a whole model with `tinyllm.load(..., activations="int8")`). Then every product of the dot product is
+an integer product, and on a CPU with AVX-512 VNNI one instruction does 32 of them (kernels.py): converting each
+int8 weight to float32 costs more than reading it from memory, so without this a quantized decode step is bound
+by arithmetic, not by the bytes it reads. The rounding is part of the arithmetic on every path (numpy, Numba,
+BLAS), but it turns differences of 1e-7 between paths into whole rounding steps now and then, so the numpy and
+Numba backends no longer give bit-for-bit the same tokens. benchmarks/quality.py measures what it costs.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,26 +37,35 @@ class QuantizedWeight:
     """Base: a quantized [O, I] matrix. Subclasses know how to dequantize and how to be concatenated."""
 
     shape: tuple[int, int]
+    int8_inputs = False     # multiply by the input rounded to int8 blocks (quantize_activations), the integer
+    #                         path of kernels.py; False: by the float32 input as it is (weight-only quantization)
 
     def dequantize(self, rows: np.ndarray | slice = slice(None)) -> np.ndarray:
         raise NotImplementedError
 
+    def _arrays(self) -> list[np.ndarray]:
+        return [getattr(self, f.name) for f in dataclasses.fields(self)]
+
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in vars(self).values() if isinstance(a, np.ndarray))
+        return sum(a.nbytes for a in self._arrays())
 
     def take_rows(self, idx: np.ndarray) -> "QuantizedWeight":
         """The same rows in another order (rows are quantized independently, so this is exact)."""
-        return type(self)(*(a[idx] for a in vars(self).values()))
+        out = type(self)(*(a[idx] for a in self._arrays()))
+        out.int8_inputs = self.int8_inputs
+        return out
 
     @classmethod
     def concat_rows(cls, parts: list["QuantizedWeight"]) -> "QuantizedWeight":
         """Stack matrices of the same type and width on top of each other (fusing q/k/v or gate/up)."""
-        fields = list(vars(parts[0]))
-        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in fields))
+        out = cls(*(np.concatenate(arrays) for arrays in zip(*(p._arrays() for p in parts))))
+        out.int8_inputs = parts[0].int8_inputs
+        return out
 
     def __repr__(self):
-        return f"{type(self).__name__}(shape={self.shape}, {self.nbytes / 2**20:.2f} MiB)"
+        inputs = ", int8 inputs" if self.int8_inputs else ""
+        return f"{type(self).__name__}(shape={self.shape}, {self.nbytes / 2**20:.2f} MiB{inputs})"
 
 
 @dataclass(repr=False)
@@ -93,6 +112,30 @@ class Q4Block(QuantizedWeight):
         nib = p.reshape(p.shape[0], -1, BLOCK // 2)                                  # [o, I/32, 16]
         q = np.concatenate([nib & 0x0F, nib >> 4], axis=-1).astype(np.float32)      # [o, I/32, 32]
         return (q * self.d[rows, :, None] + self.m[rows, :, None]).reshape(p.shape[0], -1)   # [o, I]
+
+
+# --- activations ---------------------------------------------------------------------------------------------
+def quantize_activations(x: np.ndarray, block: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """Round each row of x [M, I] to int8 with one scale per block of 32 values: -> (xq [M, I] int8,
+    xs [M, ceil(I/32)] float32), x ~= xq * xs. Symmetric, scale = max|block| / 127, round to nearest (half to
+    even); an all-zero block gets scale 1. A last block shorter than 32 (I not a multiple) has its own scale."""
+    x = np.asarray(x, dtype=np.float32)
+    M, I = x.shape
+    nb = -(-I // block)
+    padded = np.zeros((M, nb * block), dtype=np.float32)
+    padded[:, :I] = x                                                                # zeros change no max
+    b = padded.reshape(M, nb, block)                                                 # [M, nb, 32]
+    amax = np.abs(b).max(axis=2)                                                     # [M, nb]
+    xs = np.where(amax > 0, amax / np.float32(127.0), np.float32(1.0)).astype(np.float32)
+    xq = np.clip(np.rint(b / xs[..., None]), -127, 127).astype(np.int8)              # [M, nb, 32]
+    return xq.reshape(M, -1)[:, :I], xs
+
+
+def round_activations(x: np.ndarray) -> np.ndarray:
+    """x [M, I] -> the float32 values quantize_activations stands for: what a quantized linear multiplies."""
+    xq, xs = quantize_activations(x)
+    I = xq.shape[1]
+    return (xq.astype(np.float32) * np.repeat(xs, BLOCK, axis=1)[:, :I]).astype(np.float32)   # [M, I]
 
 
 # --- quantizers ----------------------------------------------------------------------------------------------

@@ -239,9 +239,11 @@ def early_exit(target, n_layers: int):
     return draft
 
 
-def quantized_copy(target, fmt: str):
+def quantized_copy(target, fmt: str, activations: str = "int8"):
     """The target with every matrix (and the output head) quantized to `fmt`: self-speculation's draft.
-    Norms stay float32, as in weights.quantize_weights; a tied head stays tied."""
+    Norms stay float32, as in weights.quantize_weights; a tied head stays tied. The draft multiplies int8
+    activations by default (quant.py): that makes it faster, and its small errors cannot change the output,
+    which the target's verification decides."""
     def q(w):
         if w is None:
             return None
@@ -253,6 +255,7 @@ def quantized_copy(target, fmt: str):
     draft.tok_embed = q(target.tok_embed)
     draft.lm_head = draft.tok_embed if target.tied_head else q(target.lm_head)
     draft.quant = fmt
+    draft.activations = activations
     return draft
 
 
