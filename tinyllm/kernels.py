@@ -561,68 +561,76 @@ def swiglu(gate_up: np.ndarray) -> np.ndarray:
 
 
 # --- decode attention: one new query token against the whole cache --------------------------------------------
-ATTN_CHUNK = 64   # cache positions per task in decode attention
+ATTN_CHUNK = 32   # cache positions per task in decode attention
 
 
 @njit(**_JIT)
 def decode_attention(q, k, v, out):
     """q [H, Dh] (one token), k, v [S, KVH, Dh] (the cache incl. this token) -> out [H, Dh].
 
-    Work is split into tasks of (KV head, chunk of ATTN_CHUNK positions), run in parallel:
-      * GQA: a task reads each K and V row of its KV head once and uses it for all G query heads of the group
-        (query head h belongs to KV head h // G), so the cache is read once, not G times, and never copied;
-      * split over positions ("flash-decoding", Dao et al. 2023): each chunk keeps its own running max m,
-        sum of exponentials l and weighted sum of V; chunks are merged at the end by rescaling with
-        exp(m_chunk - m_global). That keeps both cores busy even with only 3 KV heads.
+    Split over positions ("flash-decoding", Dao et al. 2023): each task takes a chunk of ATTN_CHUNK cache
+    positions and computes, for every query head, its scores, their running max m and sum of exponentials l,
+    and the weighted sum of V; the chunks are merged at the end by rescaling with exp(m_chunk - m_global).
+    That keeps both cores busy even with only 3 KV heads.
+      * A task reads its positions' K rows, then their V rows, front to back: [s, all KV heads, Dh] is one
+        contiguous 768-byte stretch for SmolLM2. Splitting by KV head as well would read every third 256 bytes,
+        a stride that restarts the hardware prefetcher at each 4 KiB page; measured in a decode step at
+        context 256: 1.1 ms for the attention of 30 layers read in order, 1.8 ms split by head.
+      * GQA: query head h reads K and V head h // G; the G heads of a group read the same rows one after the
+        other, from L1, so the cache is fetched from memory once and never copied.
     """
     H, Dh = q.shape
     S, KVH, _ = k.shape
     G = H // KVH
     n_chunks = (S + ATTN_CHUNK - 1) // ATTN_CHUNK
     scale = np.float32(1.0 / np.sqrt(Dh))
-    chunk_max = np.empty((KVH, n_chunks, G), dtype=np.float32)
-    chunk_sum = np.empty((KVH, n_chunks, G), dtype=np.float32)
-    chunk_out = np.zeros((KVH, n_chunks, G, Dh), dtype=np.float32)
-    for task in prange(KVH * n_chunks):
-        kvh, c = task // n_chunks, task % n_chunks
+    chunk_max = np.empty((n_chunks, H), dtype=np.float32)
+    chunk_sum = np.empty((n_chunks, H), dtype=np.float32)
+    chunk_out = np.empty((n_chunks, H, Dh), dtype=np.float32)
+    for c in prange(n_chunks):
         s0, s1 = c * ATTN_CHUNK, min(S, (c + 1) * ATTN_CHUNK)
-        scores = np.empty((G, s1 - s0), dtype=np.float32)
-        for s in range(s0, s1):                                  # q . k for the G heads, one read of k[s]
-            for g in range(G):
-                acc = np.float32(0.0)
+        n = s1 - s0
+        scores = np.empty((H, ATTN_CHUNK), dtype=np.float32)
+        acc = np.zeros((H, Dh), dtype=np.float32)              # this chunk's weighted sum of v, per head
+        for s in range(s0, s1):                                  # q . k for every head, one pass over k[s0:s1]
+            for h in range(H):
+                kvh = h // G
+                a = np.float32(0.0)
                 for j in range(Dh):
-                    acc += q[kvh * G + g, j] * k[s, kvh, j]
-                scores[g, s - s0] = acc * scale
-        for g in range(G):                                       # this chunk's softmax statistics
-            m = scores[g, 0]
-            for t in range(1, s1 - s0):
-                m = max(m, scores[g, t])
+                    a += q[h, j] * k[s, kvh, j]
+                scores[h, s - s0] = a * scale
+        for h in range(H):                                       # this chunk's softmax statistics
+            m = scores[h, 0]
+            for t in range(1, n):
+                m = max(m, scores[h, t])
             total = np.float32(0.0)
-            for t in range(s1 - s0):
-                e = exp32(scores[g, t] - m)
-                scores[g, t] = e
+            for t in range(n):
+                e = exp32(scores[h, t] - m)
+                scores[h, t] = e
                 total += e
-            chunk_max[kvh, c, g], chunk_sum[kvh, c, g] = m, total
-        for s in range(s0, s1):                                  # weighted sum of v, one read of v[s]
-            for g in range(G):
-                p = scores[g, s - s0]
+            chunk_max[c, h], chunk_sum[c, h] = m, total
+        for s in range(s0, s1):                                  # weighted sum of v, one pass over v[s0:s1]
+            for h in range(H):
+                kvh = h // G
+                p = scores[h, s - s0]
                 for j in range(Dh):
-                    chunk_out[kvh, c, g, j] += p * v[s, kvh, j]
+                    acc[h, j] += p * v[s, kvh, j]
+        chunk_out[c] = acc
     for h in range(H):                                           # merge the chunks of each head
-        kvh, g = h // G, h % G
-        m = chunk_max[kvh, 0, g]
+        m = chunk_max[0, h]
         for c in range(1, n_chunks):
-            m = max(m, chunk_max[kvh, c, g])
+            m = max(m, chunk_max[c, h])
         total = np.float32(0.0)
         for j in range(Dh):
             out[h, j] = 0.0
         for c in range(n_chunks):
-            w = exp32(chunk_max[kvh, c, g] - m)
-            total += w * chunk_sum[kvh, c, g]
+            w = exp32(chunk_max[c, h] - m)
+            total += w * chunk_sum[c, h]
             for j in range(Dh):
-                out[h, j] += w * chunk_out[kvh, c, g, j]
+                out[h, j] += w * chunk_out[c, h, j]
+        inv = np.float32(1.0) / total
         for j in range(Dh):
-            out[h, j] /= total
+            out[h, j] *= inv
 
 
 @njit(**_SERIAL)
