@@ -284,6 +284,10 @@ def linear_q4(packed, d, mins, x, out):
 # weight for several rows and win, and they get the rounded x (xq * xs), so every path computes the same
 # products. Without VNNI (another CPU, or NUMBA_DISABLE_JIT=1 to step through) the float kernels run on the
 # rounded x.
+# Each pair of blocks also asks for the weight bytes PREFETCH_BYTES ahead (llvm.prefetch): rows are short (576 int8
+# or 288 packed 4-bit bytes), so the hardware prefetcher keeps restarting. Over a decode step's matrices, in the
+# same runs: q4_1 4.6-5.7 -> 4.0-5.1 ms, int8 within noise to 10% faster (1024 and 4096 bytes were no better).
+PREFETCH_BYTES = 2048
 HAVE_VNNI = (not config.DISABLE_JIT
              and {"avx512vnni", "avx512vl"} <= set(f[1:] for f in llvm.get_host_cpu_features().flatten().split(",")
                                                    if f.startswith("+")))
@@ -402,6 +406,11 @@ if HAVE_VNNI:
 
             with cgutils.for_range(builder, builder.udiv(n_blocks, two)) as loop:
                 b = builder.mul(loop.index, two)
+                bytes_per_block = BLOCK // 2 if kind == "q4_1" else BLOCK
+                ahead = builder.gep(row, [builder.add(builder.mul(b, ir.Constant(b.type, bytes_per_block)),
+                                                      ir.Constant(b.type, PREFETCH_BYTES))])
+                _llvm_call(builder, "llvm.prefetch.p0", ir.VoidType(), ahead, ir.Constant(_i32, 0),
+                           ir.Constant(_i32, 3), ir.Constant(_i32, 1))
                 block(b, accs[0])
                 block(builder.add(b, one), accs[1])
             with builder.if_then(builder.trunc(n_blocks, ir.IntType(1))):                   # an odd block count
