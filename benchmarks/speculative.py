@@ -38,8 +38,8 @@ TASKS = {
 }
 SOURCES = ["self-q4", "self-int8", "layers:15", "ngram"]
 SELF_DRAFTS = ("self-q4", "self-int8", "layers:15")
-# The small-M kernels take rows in groups of 4 (kernels.linear pads M up), so a verify pass over k+1 = 4 or 8 rows
-# wastes no padding: k = 3 for the main table; the sweep includes 3 and 7.
+# k = 3 for the main table (a verify pass of 4 rows); the sweep runs k = 1 .. 8 (from k = 7 the verify pass has
+# 8 rows and takes the tiled kernels).
 K_MAIN, K_SWEEP = 3, (1, 2, 3, 4, 7, 8)
 
 

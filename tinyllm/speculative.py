@@ -325,11 +325,11 @@ def speculative_tokens(target, draft, prompt_ids: Sequence[int], cache, logits: 
     seq = list(prompt_ids)
     first = sample(logits, params, rng, seq)         # the first token comes from the prefill, as in plain decode
     seq.append(first)
-    yield first
     ctx = target.config.context_length
-    t0 = time.perf_counter()
-    draft.start(seq, min(ctx, len(prompt_ids) + max_new_tokens))
+    t0 = time.perf_counter()                         # the draft's prefill belongs to the prefill phase (TTFT),
+    draft.start(seq, min(ctx, len(prompt_ids) + max_new_tokens))     # as in vLLM: done before the first token
     stats.draft_prefill_s += time.perf_counter() - t0
+    yield first
     budget = max_new_tokens - 1                      # tokens still wanted after the first
     while budget > 0:
         n = len(seq)
@@ -369,7 +369,7 @@ class SpeculativeResult:
     token_ids: list[int]              # generated ids (no stopping at end-of-sequence: exactly max_new_tokens)
     stats: SpeculativeStats
     cache: object                     # the target's cache afterwards: the prompt and all tokens but the last
-    prefill_s: float
+    prefill_s: float                  # the target's prefill and the draft's (stats.draft_prefill_s)
     decode_s: float                   # after the first token
 
 
@@ -395,4 +395,5 @@ def speculative_generate(target, prompt_ids: Sequence[int], draft="ngram", num_d
             t2 = time.perf_counter()
         if len(out) >= max_new_tokens:
             break
-    return SpeculativeResult(out, stats, cache, prefill_s=t1 - t0, decode_s=time.perf_counter() - t2)
+    return SpeculativeResult(out, stats, cache, prefill_s=t1 - t0 + stats.draft_prefill_s,
+                             decode_s=time.perf_counter() - t2)
