@@ -307,7 +307,7 @@ def linear_q4(packed, d, mins, x, out):
 # or 288 packed 4-bit bytes), so the hardware prefetcher keeps restarting. Over a decode step's matrices, in the
 # same runs: q4_1 4.6-5.7 -> 4.0-5.1 ms, int8 within noise to 10% faster (1024 and 4096 bytes were no better).
 PREFETCH_BYTES = 2048
-HAVE_VNNI = (not config.DISABLE_JIT
+HAVE_VNNI = (not config.DISABLE_JIT and not config.CPU_NAME       # (a portable build targets no host features)
              and {"avx512vnni", "avx512vl"} <= set(f[1:] for f in llvm.get_host_cpu_features().flatten().split(",")
                                                    if f.startswith("+")))
 
@@ -373,9 +373,9 @@ if HAVE_VNNI:
     def _row_dot_codegen(kind):
         """LLVM IR for one weight row o against one rounded input row; kind "int8", "int8-block" or "q4_1".
         Arguments (as the intrinsics below declare them): int8 (w, o, xq, xabs, xs), int8-block (w, o, ws, xq,
-        xabs, xs), q4_1 (w, o, d, mins, xq, xs, xsum). Returns float32:
+        xabs, xs), q4_1 (w, o, d, mins, xq, xs, xlane). Returns float32:
             sum over the full blocks b of  [ws[o, b] *] xs[b] * (integer dot of block b's weights with xq)
-            [+ mins[o, b] * xsum[b]]                                        (for q4_1, the minimums' share)."""
+            [+ mins[o, b] * sum(xlane[b])]                                  (for q4_1, the minimums' share)."""
         names = {"int8": "w o xq xabs xs", "int8-block": "w o ws xq xabs xs", "q4_1": "w o ws mins xq xs xlane"}[kind]
 
         def codegen(context, builder, signature, args):

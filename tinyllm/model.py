@@ -57,7 +57,8 @@ class Transformer:
 
     backend="numba" (default) runs the matrix-vector products and decode attention in the Numba kernels of
     kernels.py; backend="numpy" runs everything in the plain numpy of ops.py, to read or step through.
-    Both give the same tokens (tests/test_kernels.py).
+    Both give the same tokens (tests/test_kernels.py), bit for bit with float32 activations; with
+    activations="int8" rounding can amplify their last-bit differences (quant.py).
     """
 
     def __init__(self, config: ModelConfig, weights: dict, tokenizer=None, backend: str = "numba",

@@ -1,4 +1,4 @@
-"""Weight-only quantization: fewer bytes per weight, so a memory-bound decode step reads less and runs faster.
+"""Quantized weights: fewer bytes per weight, so a memory-bound decode step reads less and runs faster.
 
 Three formats, each a small dataclass that `linear` dispatches on (the one seam; see ops.linear and
 kernels.linear). Norms and the KV cache stay float32; only the big matrices shrink.
