@@ -88,11 +88,12 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps({"prompt_ids": res.prompt_ids, "token_ids": res.token_ids, "text": res.text,
                           "finish_reason": res.finish_reason, "load_s": load_s, "jit_s": model.jit_s,
-                          "quant": model.quant, "activations": model.activations, "weight_bytes": model.weight_bytes, "stats": res.stats.as_dict()}))
+                          "quant": model.quant, "activations": model.activations, "weight_bytes": model.weight_bytes,
+                          "stats": res.stats.as_dict()}))
     else:
-        acts = " x int8 activations" if model.activations == "int8" else ""
-        print(f"[{res.finish_reason}] load {load_s:.1f} s (JIT {model.jit_s:.1f} s) | {model.quant}{acts} "
-              f"{model.weight_bytes / 2**20:.0f} MiB | {res.stats.summary()}", file=sys.stderr)
+        acts = ", int8 activations" if model.activations == "int8" else ""
+        print(f"[{res.finish_reason}] load {load_s:.1f} s (JIT {model.jit_s:.1f} s) | {model.quant} "
+              f"{model.weight_bytes / 2**20:.0f} MiB{acts} | {res.stats.summary()}", file=sys.stderr)
     return 0
 
 
