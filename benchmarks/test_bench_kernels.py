@@ -21,17 +21,31 @@ def weight(fmt, shape):
     return w if fmt == "fp32" else quant.quantize(w, fmt)
 
 
-@pytest.mark.parametrize("M", [1, 8, 32])
+@pytest.mark.parametrize("M", [1, 4, 8, 32])
 @pytest.mark.parametrize("shape_name", list(SHAPES))
-@pytest.mark.parametrize("fmt", ["fp32", "int8", "int8-block", "q4_1"])
+@pytest.mark.parametrize("fmt", ["fp32", "int8", "int8-block", "q4_1", "int8+a8", "int8-block+a8", "q4_1+a8"])
 def test_linear_numba(benchmark, fmt, shape_name, M):
-    w = weight(fmt, SHAPES[shape_name])
+    """+a8: the weight multiplies int8-rounded inputs (activations="int8"): the integer VNNI kernels below 8 rows."""
+    base, _, a8 = fmt.partition("+")
+    w = weight(base, SHAPES[shape_name])
+    if a8:
+        w.int8_inputs = True
     x = RNG.normal(size=(M, w.shape[1])).astype(np.float32)
     kernels.linear(x, w)
     nbytes = w.nbytes
-    benchmark.extra_info.update(bytes=nbytes, format=fmt, M=M)
+    benchmark.extra_info.update(bytes=nbytes, format=fmt, M=M, vnni=bool(a8) and kernels.HAVE_VNNI and M < 8)
     benchmark(kernels.linear, x, w)
     benchmark.extra_info["GB/s"] = nbytes / benchmark.stats.stats.median / 1e9
+
+
+@pytest.mark.parametrize("I", [576, 1536])
+@pytest.mark.parametrize("impl", ["numba", "numpy"])
+def test_quantize_activations(benchmark, impl, I):
+    """Rounding one token's activations to int8 blocks: the extra step of every linear with int8 inputs."""
+    x = RNG.normal(size=(1, I)).astype(np.float32)
+    fn = kernels.quantize_rows if impl == "numba" else quant.quantize_activations
+    fn(x)
+    benchmark(fn, x)
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "int8", "q4_1"])
