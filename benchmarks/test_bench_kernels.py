@@ -35,7 +35,8 @@ def test_linear_numba(benchmark, fmt, shape_name, M):
     nbytes = w.nbytes
     benchmark.extra_info.update(bytes=nbytes, format=fmt, M=M, vnni=bool(a8) and kernels.HAVE_VNNI and M < 8)
     benchmark(kernels.linear, x, w)
-    benchmark.extra_info["GB/s"] = nbytes / benchmark.stats.stats.median / 1e9
+    if benchmark.stats:                                               # None with --benchmark-disable
+        benchmark.extra_info["GB/s"] = nbytes / benchmark.stats.stats.median / 1e9
 
 
 @pytest.mark.parametrize("I", [576, 1536])
