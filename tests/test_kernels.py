@@ -73,10 +73,14 @@ def test_integer_kernels_match_the_float_kernels_on_rounded_inputs(fmt):
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)
 
 
-def test_int8_channel_odd_width_not_multiple_of_block():
-    w = RNG.normal(0, 0.1, (9, 45)).astype(np.float32)               # per-channel works for any width
+@pytest.mark.parametrize("I", [1, 5, 45, 65])
+@pytest.mark.parametrize("int8_inputs", [False, True])
+def test_int8_channel_odd_width_not_multiple_of_block(I, int8_inputs):
+    """Per-channel int8 works for any width; with int8 inputs the last, short block is added apart."""
+    w = RNG.normal(0, 0.1, (9, I)).astype(np.float32)
     qw = quant.quantize_int8_channel(w)
-    x = RNG.normal(size=(2, 45)).astype(np.float32)
+    qw.int8_inputs = int8_inputs
+    x = RNG.normal(size=(2, I)).astype(np.float32)
     np.testing.assert_allclose(kernels.linear(x, qw), ops.linear(x, qw), atol=1e-5)
 
 
