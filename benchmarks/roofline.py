@@ -168,7 +168,7 @@ def step_breakdown(model, S: int, steps: int, rng) -> dict:
     cache = filled_cache(model, S, rng)
     model.decode_step(1, cache)
     cache.truncate(S)
-    model.ops = Timed()
+    model.ops, model.fused_decode = Timed(), False                 # op by op, so that each op can be timed
     try:
         t0 = time.perf_counter()
         for i in range(steps):
@@ -176,16 +176,18 @@ def step_breakdown(model, S: int, steps: int, rng) -> dict:
             cache.truncate(S)
         total = (time.perf_counter() - t0) / steps
     finally:
-        model.ops = real_ops
+        model.ops, model.fused_decode = real_ops, True
     out = {name: t / steps * 1e3 for name, t in sorted(inside.items(), key=lambda kv: -kv[1])}
     out["outside"] = total * 1e3 - sum(out.values())
     out["total"] = total * 1e3
+    out["fused"] = decode_step_time(model, S, steps, rng) * 1e3     # the same step as it runs: blocks fused
     return out
 
 
-def fixed_step_ms(model, S: int, steps: int) -> float:
+def fixed_step_ms(model, S: int, steps: int, fused: bool = True) -> float:
     """ms of a decode step of a model with the same code path and number of layers but tiny matrices (dim 64):
-    what a step costs besides arithmetic and memory traffic (Python, the calls, starting the parallel kernels)."""
+    what a step costs besides arithmetic and memory traffic (Python, the calls, starting the parallel kernels).
+    fused=False: with each block run op by op from Python instead of as one kernels.decode_block call."""
     import dataclasses
 
     from tinyllm.model import Transformer
@@ -195,6 +197,7 @@ def fixed_step_ms(model, S: int, steps: int) -> float:
     rng = np.random.default_rng(0)
     tiny = Transformer(c, {name: rng.normal(0, 0.1, shape).astype(np.float32)
                            for name, shape in expected_shapes(c).items()})
+    tiny.fused_decode = fused
     return decode_step_time(tiny, S, steps, rng) * 1e3
 
 
@@ -265,6 +268,7 @@ def run(args) -> dict:
     # where a step's time goes, fp32 and int8
     res["breakdown"] = {fmt: step_breakdown(models[fmt], S, args.steps, rng) for fmt in ("fp32", "int8", "int8+a8")}
     res["fixed_step_ms"] = fixed_step_ms(models["fp32"], S, args.steps)
+    res["fixed_step_ms_op_by_op"] = fixed_step_ms(models["fp32"], S, args.steps, fused=False)
     res["n_layers"] = models["fp32"].config.n_layers
     print(f"step breakdown: {res['breakdown']}", flush=True)
 
@@ -328,22 +332,25 @@ def markdown(res: dict, args) -> str:
             "VNNI, llama.cpp's scheme; benchmarks/quality.py gives its cost in accuracy).", ""]
     if "breakdown" in res:
         bd = res["breakdown"]
-        names = [n for n in bd["fp32"] if n not in ("outside", "total")]
-        out += [f"Where a decode step's time goes (batch 1, context {args.context}, ms per step; each call of the "
-                "model's ops timed, `outside` = everything between them: Python, numpy glue, the cache update):",
-                "", "| format | " + " | ".join(names) + " | outside | total | outside share |",
-                "|---|" + "---|" * (len(names) + 3)]
+        names = [n for n in bd["fp32"] if n not in ("outside", "total", "fused")]
+        out += [f"Where a decode step's time goes (batch 1, context {args.context}, ms per step). The step runs op "
+                "by op from Python here, each call of the model's ops timed; `outside` = everything between them: "
+                "Python, numpy glue, the cache update. `fused`: the same step as it normally runs, each block one "
+                "compiled call (kernels.decode_block), so most of `outside` disappears:",
+                "", "| format | " + " | ".join(names) + " | outside | total op by op | outside share | fused |",
+                "|---|" + "---|" * (len(names) + 4)]
         for fmt, r in bd.items():
             out.append(f"| {fmt} | " + " | ".join(f"{r.get(n, 0.0):.2f}" for n in names)
-                       + f" | {r['outside']:.2f} | {r['total']:.2f} | {r['outside'] / r['total']:.0%} |")
+                       + f" | {r['outside']:.2f} | {r['total']:.2f} | {r['outside'] / r['total']:.0%} | "
+                         f"{r.get('fused', float('nan')):.2f} |")
         out += [""]
     if "fixed_step_ms" in res:
+        a8 = res['breakdown'].get('int8+a8', res['breakdown']['int8'])
         out += [f"The fixed cost of a step: the same code path and {res.get('n_layers', 30)} layers with tiny "
-                f"matrices (dim 64) take {res['fixed_step_ms']:.2f} ms per decode step. That is Python, the ~300 "
-                "calls and the start of each parallel kernel, paid by every step whatever the weight format: "
-                f"{res['fixed_step_ms'] / res['breakdown']['int8']['total']:.0%} of an int8 step here, "
-                f"{res['fixed_step_ms'] / res['breakdown'].get('int8+a8', res['breakdown']['int8'])['total']:.0%} "
-                "of an int8+a8 step.", ""]
+                f"matrices (dim 64) take {res['fixed_step_ms']:.2f} ms per decode step "
+                f"({res.get('fixed_step_ms_op_by_op', float('nan')):.2f} ms op by op). That is Python, the calls "
+                "and the start of each parallel kernel, paid by every step whatever the weight format: "
+                f"{res['fixed_step_ms'] / a8.get('fused', a8['total']):.0%} of an int8+a8 step here.", ""]
     out += [
             "Decode tok/s against context length (batch 1; every token of context adds "
             f"{res['kv_bytes_per_token'] / 1e3:.1f} kB of float32 K and V to each step's read):", "",

@@ -18,7 +18,7 @@ import llvmlite.binding as llvm
 from llvmlite import ir
 from numba import config, njit, prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from . import ops
 from .quant import BLOCK, Int8Block, Int8Channel, Q4Block, quantize, round_activations
@@ -710,6 +710,108 @@ def causal_attention(q, k, v, start, out):
                     out[t, kvh * G + g, j] += p * v[s, kvh, j]
 
 
+# --- a whole block of one decode step in one call -----------------------------------------------------------------
+# Called op by op from Python (model._block), a decode step makes about 13 kernel calls per layer, 390 for SmolLM2,
+# plus the numpy glue between them; each call costs microseconds of argument checking and unboxing, and together
+# they measured ~0.7 ms of an int8 step of 6.4 ms: time in which no weight byte is read. decode_block makes the
+# same calls from compiled code, one Python call per layer, as llama2.c's forward() does in C. It is the fast twin
+# of Transformer._block for the common case (a Llama block, one token, a contiguous cache); tests check that both
+# give the same logits. Weights come in as tuples of their arrays (`weight_arrays`), so one compiled version
+# serves each weight format.
+
+def weight_arrays(w) -> tuple:
+    """A weight as the tuple of arrays the compiled code takes: (w,) for float32, (q, scale) for int8 and
+    int8-block (scale [O] or [O, I/32]), (packed, d, m) for q4_1."""
+    return (w,) if isinstance(w, np.ndarray) else tuple(w._arrays())
+
+
+def linear_into(w, x, out, int8_inputs):
+    """out [M, O] = x [M, I] times w, given as `weight_arrays(w)`: the dispatch of `_linear_quantized`, for
+    compiled callers (the format is chosen when the caller compiles). M < TILE_MIN_ROWS."""
+    raise NotImplementedError("linear_into is called from compiled code only")
+
+
+@overload(linear_into, jit_options=dict(fastmath=True, nogil=True))
+def _linear_into_typed(w, x, out, int8_inputs):
+    parts = w.types
+    if len(parts) == 1:                                                          # float32
+        return lambda w, x, out, int8_inputs: linear_f32(w[0], x, out)
+    if len(parts) == 2 and parts[1].ndim == 1:                                   # int8, one scale per row
+        if HAVE_VNNI:
+            def int8_channel(w, x, out, int8_inputs):
+                if int8_inputs:
+                    linear_int8_channel_vnni(w[0], w[1], x, out)
+                else:
+                    linear_int8_channel(w[0], w[1], x, out)
+            return int8_channel
+        return lambda w, x, out, int8_inputs: linear_int8_channel(w[0], w[1], round_rows(x) if int8_inputs
+                                                                  else x, out)
+    if len(parts) == 2:                                                          # int8, one scale per block
+        if HAVE_VNNI:
+            def int8_block(w, x, out, int8_inputs):
+                if int8_inputs:
+                    linear_int8_block_vnni(w[0], w[1], x, out)
+                else:
+                    linear_int8_block(w[0], w[1], x, out)
+            return int8_block
+        return lambda w, x, out, int8_inputs: linear_int8_block(w[0], w[1], round_rows(x) if int8_inputs
+                                                                else x, out)
+    if HAVE_VNNI:                                                                # q4_1
+        def q4(w, x, out, int8_inputs):
+            if int8_inputs:
+                linear_q4_vnni(w[0], w[1], w[2], x, out)
+            else:
+                linear_q4(w[0], w[1], w[2], x, out)
+        return q4
+    return lambda w, x, out, int8_inputs: linear_q4(w[0], w[1], w[2], round_rows(x) if int8_inputs else x, out)
+
+
+@njit(**_SERIAL)
+def decode_block(x, attn_norm, ffn_norm, wqkv, wo, w_in, w_out, int8_inputs, k_cache, v_cache, pos, cos, sin,
+                 n_heads, eps):
+    """One Llama block for the one token of a decode step; x [1, D] is updated in place.
+    Matrices as `weight_arrays` tuples, int8_inputs: for each of the four, whether it rounds its input to int8;
+    k_cache, v_cache [S_max, KVH, Dh]: this layer's cache, the token's K and V go to position pos; cos, sin [Dh/2]:
+    the rotation of position pos."""
+    D = x.shape[1]
+    KVH, Dh = k_cache.shape[1], k_cache.shape[2]
+    H, half = n_heads, Dh // 2
+    h = np.empty((1, D), np.float32)                            # [1, D] normed x
+    delta = np.empty((1, D), np.float32)                        # [1, D] what a sub-block adds to x
+
+    # attention
+    _rmsnorm(x, attn_norm, eps, h)
+    qkv = np.empty((1, (H + 2 * KVH) * Dh), np.float32)         # [1, (H + 2*KVH) * Dh]
+    linear_into(wqkv, h, qkv, int8_inputs[0])
+    q = np.empty((H, Dh), np.float32)                           # [H, Dh]
+    for head in range(H + KVH):                                 # rotate q and k (half-split pairs, ops.apply_rope)
+        for i in range(half):
+            a, b = qkv[0, head * Dh + i], qkv[0, head * Dh + half + i]
+            ra, rb = a * cos[i] - b * sin[i], b * cos[i] + a * sin[i]
+            if head < H:
+                q[head, i], q[head, half + i] = ra, rb
+            else:                                               # k goes straight into the cache at pos
+                k_cache[pos, head - H, i], k_cache[pos, head - H, half + i] = ra, rb
+    for kvh in range(KVH):
+        for j in range(Dh):
+            v_cache[pos, kvh, j] = qkv[0, (H + KVH + kvh) * Dh + j]
+    att = np.empty((H, Dh), np.float32)                         # [H, Dh]
+    decode_attention(q, k_cache[:pos + 1], v_cache[:pos + 1], att)
+    linear_into(wo, att.reshape(1, H * Dh), delta, int8_inputs[1])
+    for i in range(D):
+        x[0, i] += delta[0, i]
+
+    # feed-forward
+    _rmsnorm(x, ffn_norm, eps, h)
+    gate_up = np.empty((1, w_in[0].shape[0]), np.float32)       # [1, 2F]
+    linear_into(w_in, h, gate_up, int8_inputs[2])
+    act = np.empty((1, gate_up.shape[1] // 2), np.float32)     # [1, F]
+    _swiglu(gate_up, act)
+    linear_into(w_out, act, delta, int8_inputs[3])
+    for i in range(D):
+        x[0, i] += delta[0, i]
+
+
 # --- dispatch --------------------------------------------------------------------------------------------------
 # Up to SMALL_M rows (decode batches, speculative verification, prompts and prompt chunks of up to 128 tokens) the
 # kernels above run, and attention and SwiGLU stay in Numba too; more rows go to BLAS sgemm and numpy attention.
@@ -720,6 +822,7 @@ def causal_attention(q, k, v, start, out):
 # weight first dequantizes it, which costs the same whatever the number of rows). At 256 tokens: fp32 equal,
 # int8 515-521 vs 458-467, q4_1 331-370 vs 391-423; at 512 BLAS wins (fp32 425-465 vs 367-376).
 SMALL_M = 128
+FUSED_DECODE = not config.DISABLE_JIT     # decode_block needs compiled code (linear_into has no Python body)
 TILE_ROWS = 512   # rows of a quantized weight dequantized at a time for the BLAS path (fits in L2)
 
 
@@ -769,6 +872,15 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
 _warmed: set = set()
 
 
+def _warm_decode_block(weight) -> None:
+    """Compile decode_block for one weight format. weight(rows) -> a [rows, 32] matrix of that format."""
+    H, KVH, Dh = 2, 1, BLOCK // 2                                   # so every matrix is [*, 32]: one block wide
+    x, norm, trig = np.ones((1, BLOCK), np.float32), np.ones(BLOCK, np.float32), np.ones(Dh // 2, np.float32)
+    kv = np.zeros((4, KVH, Dh), np.float32)                         # [S_max, KVH, Dh]
+    mats = [weight(rows) for rows in ((H + 2 * KVH) * Dh, BLOCK, 2 * BLOCK, BLOCK)]   # wqkv, wo, w_in, w_out
+    decode_block(x, norm, norm, *(weight_arrays(w) for w in mats), (False,) * 4, kv, kv, 0, trig, trig, H, 1e-5)
+
+
 def warmup(weight_types=(np.ndarray, Int8Channel, Int8Block, Q4Block)) -> float:
     """Compile (or load from Numba's on-disk cache) the kernels a model needs, on tiny inputs shaped and laid out
     as the model passes them (a new array layout would mean a new compile in the middle of a request).
@@ -786,6 +898,9 @@ def warmup(weight_types=(np.ndarray, Int8Channel, Int8Block, Q4Block)) -> float:
                     w.int8_inputs = int8_inputs
                 for rows in (1, TILE_MIN_ROWS):                             # the decode and the tiled kernels
                     linear(np.ones((rows, BLOCK), np.float32), w)
+            if FUSED_DECODE:                                                # a decode step's fused blocks
+                _warm_decode_block(lambda rows: np.ones((rows, BLOCK), np.float32) if formats[t] is None
+                                   else quantize(np.ones((rows, BLOCK), np.float32), formats[t]))
             _warmed.add(t)
     if "ops" not in _warmed:
         kv = np.ones((3, 1, 4), dtype=np.float32)

@@ -10,6 +10,8 @@ positions, GELU, biases). Weights arrive as canonical named arrays from weights.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,6 +53,12 @@ class LayerWeights:
     b_in: np.ndarray | None = None
     b_out: np.ndarray | None = None
 
+    @functools.cached_property
+    def matrix_arrays(self) -> tuple:
+        """(wqkv, wo, w_in, w_out), each as the tuple of its arrays: what kernels.decode_block takes."""
+        from .kernels import weight_arrays
+        return tuple(weight_arrays(w) for w in (self.wqkv, self.wo, self.w_in, self.w_out))
+
 
 class Transformer:
     """A loaded model: config, weights, tokenizer, and the forward pass. Build it with `tinyllm.load`.
@@ -68,6 +76,7 @@ class Transformer:
         self.quant = quant or "fp32"
         self.quant_report = quant_report or []
         self.jit_s = 0.0                    # seconds spent compiling / loading kernels (numba backend)
+        self.fused_decode = True            # numba backend: a one-token step runs each block as one compiled call
         c = config
         self.tok_embed = weights["tok_embed"]                      # [V, D]
         self.lm_head = weights.get("lm_head", self.tok_embed)      # [V, D]; the same array when tied
@@ -193,8 +202,11 @@ class Transformer:
         # 2023) for the one-token rows of sequences in one paged pool (a single call that reads each sequence's
         # blocks through its block table, paged.py), a loop over the other sequences
         batch, loose = paged.DecodeBatch.split(segments)
-        for i, layer in enumerate(self.layers):
-            x = self._block(x, layer, i, rope, batch, loose)        # [N, D]
+        if self._fusable(x, batch, loose):
+            self._fused_decode_blocks(x, *loose[0][1:])             # x [1, D], updated in place
+        else:
+            for i, layer in enumerate(self.layers):
+                x = self._block(x, layer, i, rope, batch, loose)    # [N, D]
         for rows, cache, start in segments:
             if cache is not None:
                 cache.length = start + (rows.stop - rows.start)
@@ -243,6 +255,24 @@ class Transformer:
             h = o.gelu_tanh(o.linear(h, layer.w_in, layer.b_in))    # [T, F]
         return x + o.linear(h, layer.w_out, layer.b_out)            # [T, D]
 
+    def _fusable(self, x, batch, loose: list) -> bool:
+        """Can this pass take the fused decode path: one token of one sequence on a contiguous cache, through
+        the Llama blocks (no attention biases) on the numba backend?"""
+        return (self.fused_decode and self.backend == "numba" and self.ops.FUSED_DECODE and batch is None
+                and len(loose) == 1 and x.shape[0] == 1 and type(loose[0][1]) is ContiguousKVCache
+                and self.config.arch == "llama" and not self.config.attn_bias)
+
+    def _fused_decode_blocks(self, x, cache: ContiguousKVCache, start: int) -> None:
+        """The fast twin of the `_block` loop for one decode token: each layer is one call of kernels.decode_block,
+        which runs the same kernels with no Python between them (tests/test_model.py checks the two agree)."""
+        c = self.config
+        cos, sin = self.rope_cos[start], self.rope_sin[start]      # [Dh/2] each: the rotation of position start
+        for i, layer in enumerate(self.layers):
+            int8_inputs = tuple(getattr(w, "int8_inputs", False) for w in (layer.wqkv, layer.wo, layer.w_in,
+                                                                            layer.w_out))
+            self.ops.decode_block(x, layer.attn_norm, layer.ffn_norm, *layer.matrix_arrays, int8_inputs,
+                                  cache.k[i], cache.v[i], start, cos, sin, c.n_heads, c.norm_eps)
+
     def _matrices(self) -> list:
         """Every weight that goes through `linear`."""
         mats = [self.lm_head]
@@ -278,7 +308,7 @@ class Transformer:
         seen, total = set(), 0
         arrays = [self.tok_embed, self.lm_head, self.final_norm, self.final_norm_b, self.pos_embed]
         for layer in self.layers:
-            arrays.extend(vars(layer).values())
+            arrays.extend(getattr(layer, f.name) for f in dataclasses.fields(layer))
         for a in arrays:
             if a is not None and id(a) not in seen:
                 seen.add(id(a))
