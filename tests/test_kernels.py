@@ -93,19 +93,22 @@ def test_decode_attention_matches_numpy(S, H, KVH, Dh):
     np.testing.assert_allclose(kernels.attention(q, k, v, S - 1), want, atol=1e-5)
 
 
-@pytest.mark.parametrize("T, start", [(2, 0), (5, 7), (17, 0), (4, 300)])
+@pytest.mark.parametrize("T, start", [(2, 0), (5, 7), (16, 40), (17, 0), (4, 300)])
 @pytest.mark.parametrize("H, KVH, Dh", [(9, 3, 64), (4, 4, 8)])
 def test_causal_attention_matches_numpy(T, start, H, KVH, Dh):
-    """Several query tokens (a prompt chunk, a speculative verification) after `start` cached positions."""
+    """Several query tokens (a prompt chunk, a speculative verification) after `start` cached positions: up to
+    FEW_TOKENS the flash-decoding kernel (with chunks that a token sees in part or not at all), more the causal
+    kernel."""
     q = RNG.normal(size=(T, H, Dh)).astype(np.float32)
     k = RNG.normal(size=(start + T, KVH, Dh)).astype(np.float32)
     v = RNG.normal(size=(start + T, KVH, Dh)).astype(np.float32)
     np.testing.assert_allclose(kernels.attention(q, k, v, start), ops.attention(q, k, v, start), atol=1e-5)
 
 
-def test_causal_attention_reads_strided_views():
+@pytest.mark.parametrize("T", [6, 20])
+def test_causal_attention_reads_strided_views(T):
     """Without a cache the model passes k and v as column slices of the fused qkv activation."""
-    T, H, KVH, Dh = 6, 4, 2, 8
+    H, KVH, Dh = 4, 2, 8
     qkv = RNG.normal(size=(T, (H + 2 * KVH) * Dh)).astype(np.float32)
     q = qkv[:, :H * Dh].reshape(T, H, Dh)
     k = qkv[:, H * Dh:(H + KVH) * Dh].reshape(T, KVH, Dh)
@@ -174,6 +177,8 @@ for quant in (None, "int8", "int8-block", "q4_1"):
         model.forward_batch([[1, 2], [3], [4, 5, 6]], seqs)
         model.decode_batch([1, 2, 3], seqs)                         # the engine's batched paged step
         model.forward_batch([list(range(1, 10))] * 2, [None, None]) # tiled linears
+        model.logits(list(range(1, 21)))                            # more query rows than decode_attention takes
+        model.prefill(list(range(1, 21)), model.new_cache(64))
     new = signatures() - before
     assert not new, (quant, new)
 """

@@ -74,20 +74,40 @@ else:
 # kernels. So are all rows when M < TILE_MIN_ROWS (plain decode, short speculative verifications): there the
 # weights stream from memory, and reading one weight row after the other, each reused from L1 for the few input
 # rows, kept the memory stream sequential and measured 10-25% faster at 4-5 rows than tiles that read 4 weight
-# rows side by side. linear_f32 goes one step further there: one weight row against up to 4 input rows at once,
-# so each loaded weight feeds several multiply-adds. Over one step's fp32 matrices at 4 rows (a verification of
-# 3 drafts): 26.7 -> 22.3 ms (40.8 -> 30.5 in another run); a plain step took 17.1 (20.0); 2 weight rows x 4
-# input rows was slower again (33.1).
+# rows side by side. linear_f32_few takes the input rows two at a time against each weight row (the second pair
+# reads the row from L1). Over one step's fp32 matrices, A/B in one process: at 4 rows 17.3-19.1 ms against
+# 20.5-21.4 for one weight row x 4 input rows (the kernel before), at 7 rows 28.8-29.1 against 32.1-32.3; one
+# row alone 16.2-16.9. The same pairs loop inside linear_f32's blocks of OUT_BLOCK rows ran 1-3 ms slower.
 OUT_BLOCK = 16
 TILE_MIN_ROWS = 8
 
 
 @njit(**_JIT)
-def linear_f32(w, x, out):
-    """w [O, I] float32, x [M, I] -> out [M, O]"""
+def linear_f32_few(w, x, out):
+    """w [O, I] float32, x [M, I] -> out [M, O], for M < TILE_MIN_ROWS: each weight row against the input rows
+    two at a time (the row is read from memory once, then from L1)."""
     O, I = w.shape
     M = x.shape[0]
-    M4 = M - M % 4 if M >= TILE_MIN_ROWS else 0                 # input rows covered by tiles
+    for o in prange(O):
+        for m in range(0, M - 1, 2):
+            a0 = a1 = np.float32(0.0)
+            for i in range(I):
+                a0 += w[o, i] * x[m, i]
+                a1 += w[o, i] * x[m + 1, i]
+            out[m, o], out[m + 1, o] = a0, a1
+        if M % 2:
+            acc = np.float32(0.0)
+            for i in range(I):
+                acc += w[o, i] * x[M - 1, i]
+            out[M - 1, o] = acc
+
+
+@njit(**_JIT)
+def linear_f32(w, x, out):
+    """w [O, I] float32, x [M, I] -> out [M, O], tiled: for M >= TILE_MIN_ROWS (linear_f32_few below that)"""
+    O, I = w.shape
+    M = x.shape[0]
+    M4 = M - M % 4                                              # input rows covered by tiles
     for blk in prange((O + OUT_BLOCK - 1) // OUT_BLOCK):
         o0 = blk * OUT_BLOCK
         o1 = min(O, o0 + OUT_BLOCK)
@@ -107,16 +127,9 @@ def linear_f32(w, x, out):
                 out[m, o + 1], out[m + 1, o + 1], out[m + 2, o + 1], out[m + 3, o + 1] = a10, a11, a12, a13
                 out[m, o + 2], out[m + 1, o + 2], out[m + 2, o + 2], out[m + 3, o + 2] = a20, a21, a22, a23
                 out[m, o + 3], out[m + 1, o + 3], out[m + 2, o + 3], out[m + 3, o + 3] = a30, a31, a32, a33
-        for o in range(o0, o1):                     # what no tile covered: one weight row, up to 4 input rows
+        for o in range(o0, o1):                     # what no tile covered: one weight row, 2 input rows at a time
             m = M4 if o < o4 else 0
-            while m + 4 <= M:                                   # each loaded weight feeds 4 multiply-adds
-                a0 = a1 = a2 = a3 = np.float32(0.0)
-                for i in range(I):
-                    wi = w[o, i]
-                    a0 += wi * x[m, i]; a1 += wi * x[m + 1, i]; a2 += wi * x[m + 2, i]; a3 += wi * x[m + 3, i]  # noqa
-                out[m, o], out[m + 1, o], out[m + 2, o], out[m + 3, o] = a0, a1, a2, a3
-                m += 4
-            if m + 2 <= M:
+            while m + 2 <= M:
                 a0 = a1 = np.float32(0.0)
                 for i in range(I):
                     a0 += w[o, i] * x[m, i]
@@ -588,77 +601,89 @@ def swiglu(gate_up: np.ndarray) -> np.ndarray:
     return out
 
 
-# --- decode attention: one new query token against the whole cache --------------------------------------------
+# --- decode attention: a few new query tokens against the whole cache -----------------------------------------
 ATTN_CHUNK = 32   # cache positions per task in decode attention
+FEW_TOKENS = 16   # up to this many query tokens (decode, speculative verification) go to decode_attention
 
 
 @njit(**_JIT)
-def decode_attention(q, k, v, out):
-    """q [H, Dh] (one token), k, v [S, KVH, Dh] (the cache incl. this token) -> out [H, Dh].
+def decode_attention(q, k, v, start, out):
+    """q [T, H, Dh]: T new tokens (1 in a decode step, k+1 in a speculative verification) at positions start ..
+    start+T-1; k, v [S, KVH, Dh] (the cache incl. these tokens, S = start + T) -> out [T, H, Dh]. Causal: token t
+    sees positions 0 .. start+t.
 
     Split over positions ("flash-decoding", Dao et al. 2023): each task takes a chunk of ATTN_CHUNK cache
-    positions and computes, for every query head, its scores, their running max m and sum of exponentials l,
-    and the weighted sum of V; the chunks are merged at the end by rescaling with exp(m_chunk - m_global).
-    That keeps both cores busy even with only 3 KV heads.
+    positions and computes, for every query token and head, its scores, their running max m and sum of
+    exponentials l, and the weighted sum of V; the chunks are merged at the end by rescaling with
+    exp(m_chunk - m_global). That keeps both cores busy even with only 3 KV heads.
       * A task reads its positions' K rows, then their V rows, front to back: [s, all KV heads, Dh] is one
         contiguous 768-byte stretch for SmolLM2. Splitting by KV head as well would read every third 256 bytes,
         a stride that restarts the hardware prefetcher at each 4 KiB page; measured in a decode step at
         context 256: 1.1 ms for the attention of 30 layers read in order, 1.8 ms split by head.
-      * GQA: query head h reads K and V head h // G; the G heads of a group read the same rows one after the
-        other, from L1, so the cache is fetched from memory once and never copied.
+      * Each K and V row is read once for all T tokens and all H heads: GQA's G query heads of a group and the
+        tokens of a verification read the same rows from L1, so the cache is fetched from memory once and never
+        copied. (One task per token, as causal_attention does for prompts, read it T times: a 4-token
+        verification at context 300 took 3.2 ms for 30 layers that way, 2.2 ms here; one token 0.93 ms.)
     """
-    H, Dh = q.shape
+    T, H, Dh = q.shape
     S, KVH, _ = k.shape
     G = H // KVH
     n_chunks = (S + ATTN_CHUNK - 1) // ATTN_CHUNK
     scale = np.float32(1.0 / np.sqrt(Dh))
-    chunk_max = np.empty((n_chunks, H), dtype=np.float32)
-    chunk_sum = np.empty((n_chunks, H), dtype=np.float32)
-    chunk_out = np.empty((n_chunks, H, Dh), dtype=np.float32)
+    chunk_max = np.empty((n_chunks, T, H), dtype=np.float32)
+    chunk_sum = np.empty((n_chunks, T, H), dtype=np.float32)
+    chunk_out = np.empty((n_chunks, T, H, Dh), dtype=np.float32)
     for c in prange(n_chunks):
         s0, s1 = c * ATTN_CHUNK, min(S, (c + 1) * ATTN_CHUNK)
-        n = s1 - s0
-        scores = np.empty((H, ATTN_CHUNK), dtype=np.float32)
-        acc = np.zeros((H, Dh), dtype=np.float32)              # this chunk's weighted sum of v, per head
-        for s in range(s0, s1):                                  # q . k for every head, one pass over k[s0:s1]
+        scores = np.empty((T, H, ATTN_CHUNK), dtype=np.float32)
+        acc = np.zeros((T, H, Dh), dtype=np.float32)            # this chunk's weighted sum of v, per token and head
+        for s in range(s0, s1):                                  # q . k, one pass over k[s0:s1]
+            for t in range(max(0, s - start), T):                # the tokens that see position s
+                for h in range(H):
+                    kvh = h // G
+                    a = np.float32(0.0)
+                    for j in range(Dh):
+                        a += q[t, h, j] * k[s, kvh, j]
+                    scores[t, h, s - s0] = a * scale
+        for t in range(T):                                       # this chunk's softmax statistics
+            n = min(s1, start + t + 1) - s0                      # how many of its positions token t sees
             for h in range(H):
-                kvh = h // G
-                a = np.float32(0.0)
-                for j in range(Dh):
-                    a += q[h, j] * k[s, kvh, j]
-                scores[h, s - s0] = a * scale
-        for h in range(H):                                       # this chunk's softmax statistics
-            m = scores[h, 0]
-            for t in range(1, n):
-                m = max(m, scores[h, t])
-            total = np.float32(0.0)
-            for t in range(n):
-                e = exp32(scores[h, t] - m)
-                scores[h, t] = e
-                total += e
-            chunk_max[c, h], chunk_sum[c, h] = m, total
+                if n <= 0:                                       # none: a chunk that adds nothing in the merge
+                    chunk_max[c, t, h], chunk_sum[c, t, h] = np.float32(-1e30), np.float32(0.0)
+                    continue
+                m = scores[t, h, 0]
+                for i in range(1, n):
+                    m = max(m, scores[t, h, i])
+                total = np.float32(0.0)
+                for i in range(n):
+                    e = exp32(scores[t, h, i] - m)
+                    scores[t, h, i] = e
+                    total += e
+                chunk_max[c, t, h], chunk_sum[c, t, h] = m, total
         for s in range(s0, s1):                                  # weighted sum of v, one pass over v[s0:s1]
-            for h in range(H):
-                kvh = h // G
-                p = scores[h, s - s0]
-                for j in range(Dh):
-                    acc[h, j] += p * v[s, kvh, j]
+            for t in range(max(0, s - start), T):
+                for h in range(H):
+                    kvh = h // G
+                    p = scores[t, h, s - s0]
+                    for j in range(Dh):
+                        acc[t, h, j] += p * v[s, kvh, j]
         chunk_out[c] = acc
-    for h in range(H):                                           # merge the chunks of each head
-        m = chunk_max[0, h]
-        for c in range(1, n_chunks):
-            m = max(m, chunk_max[c, h])
-        total = np.float32(0.0)
-        for j in range(Dh):
-            out[h, j] = 0.0
-        for c in range(n_chunks):
-            w = exp32(chunk_max[c, h] - m)
-            total += w * chunk_sum[c, h]
+    for t in range(T):                                           # merge the chunks of each token and head
+        for h in range(H):
+            m = chunk_max[0, t, h]
+            for c in range(1, n_chunks):
+                m = max(m, chunk_max[c, t, h])
+            total = np.float32(0.0)
             for j in range(Dh):
-                out[h, j] += w * chunk_out[c, h, j]
-        inv = np.float32(1.0) / total
-        for j in range(Dh):
-            out[h, j] *= inv
+                out[t, h, j] = 0.0
+            for c in range(n_chunks):
+                w = exp32(chunk_max[c, t, h] - m)
+                total += w * chunk_sum[c, t, h]
+                for j in range(Dh):
+                    out[t, h, j] += w * chunk_out[c, t, h, j]
+            inv = np.float32(1.0) / total
+            for j in range(Dh):
+                out[t, h, j] *= inv
 
 
 @njit(**_SERIAL)
@@ -681,7 +706,7 @@ def softmax_in_place(row):
 def causal_attention(q, k, v, start, out):
     """q [T, H, Dh] at positions start .. start+T-1, k, v [S, KVH, Dh] (S = start + T) -> out [T, H, Dh].
 
-    Several query tokens: a prompt chunk, a speculative verification. One task per (query token, KV head); the
+    More than FEW_TOKENS query tokens: a prompt or a prompt chunk. One task per (query token, KV head); the
     token at position start+t sees cache positions 0 .. start+t (causal), and each K/V row read serves the G
     query heads of the group. The arithmetic is the same as the numpy twin's batched matmuls; the point is to
     keep BLAS, whose threads fight Numba's for the 2 cores, out of the forward pass (see `linear`).
@@ -735,7 +760,7 @@ def linear_into(w, x, out, int8_inputs):
 def _linear_into_typed(w, x, out, int8_inputs):
     parts = w.types
     if len(parts) == 1:                                                          # float32
-        return lambda w, x, out, int8_inputs: linear_f32(w[0], x, out)
+        return lambda w, x, out, int8_inputs: linear_f32_few(w[0], x, out)
     if len(parts) == 2 and parts[1].ndim == 1:                                   # int8, one scale per row
         if HAVE_VNNI:
             def int8_channel(w, x, out, int8_inputs):
@@ -783,20 +808,20 @@ def decode_block(x, attn_norm, ffn_norm, wqkv, wo, w_in, w_out, int8_inputs, k_c
     _rmsnorm(x, attn_norm, eps, h)
     qkv = np.empty((1, (H + 2 * KVH) * Dh), np.float32)         # [1, (H + 2*KVH) * Dh]
     linear_into(wqkv, h, qkv, int8_inputs[0])
-    q = np.empty((H, Dh), np.float32)                           # [H, Dh]
+    q = np.empty((1, H, Dh), np.float32)                        # [1, H, Dh]
     for head in range(H + KVH):                                 # rotate q and k (half-split pairs, ops.apply_rope)
         for i in range(half):
             a, b = qkv[0, head * Dh + i], qkv[0, head * Dh + half + i]
             ra, rb = a * cos[i] - b * sin[i], b * cos[i] + a * sin[i]
             if head < H:
-                q[head, i], q[head, half + i] = ra, rb
+                q[0, head, i], q[0, head, half + i] = ra, rb
             else:                                               # k goes straight into the cache at pos
                 k_cache[pos, head - H, i], k_cache[pos, head - H, half + i] = ra, rb
     for kvh in range(KVH):
         for j in range(Dh):
             v_cache[pos, kvh, j] = qkv[0, (H + KVH + kvh) * Dh + j]
-    att = np.empty((H, Dh), np.float32)                         # [H, Dh]
-    decode_attention(q, k_cache[:pos + 1], v_cache[:pos + 1], att)
+    att = np.empty((1, H, Dh), np.float32)                      # [1, H, Dh]
+    decode_attention(q, k_cache[:pos + 1], v_cache[:pos + 1], pos, att)
     linear_into(wo, att.reshape(1, H * Dh), delta, int8_inputs[1])
     for i in range(D):
         x[0, i] += delta[0, i]
@@ -847,25 +872,21 @@ def linear(x: np.ndarray, w, b: np.ndarray | None = None) -> np.ndarray:
     else:
         out = np.empty((M, O), dtype=np.float32)
         if isinstance(w, np.ndarray):
-            linear_f32(w, x, out)
+            (linear_f32_few if M < TILE_MIN_ROWS else linear_f32)(w, x, out)
         else:
             _linear_quantized(x, w, out)
     return out if b is None else out + b
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
-    """Twin of ops.attention. q [T, H, Dh], k, v [S, KVH, Dh] -> [T, H*Dh]. One query token (decode): the
-    flash-decoding kernel. Several: the causal kernel while the rows are few enough for the Numba linears
-    (SMALL_M), numpy's batched matmuls (BLAS) beyond, where the linears use BLAS too."""
+    """Twin of ops.attention. q [T, H, Dh], k, v [S, KVH, Dh] -> [T, H*Dh]. Up to FEW_TOKENS query tokens (decode,
+    verification): the flash-decoding kernel. More: the causal kernel while the rows are few enough for the Numba
+    linears (SMALL_M), numpy's batched matmuls (BLAS) beyond, where the linears use BLAS too."""
     T, H, Dh = q.shape
-    if T == 1:
-        out = np.empty((H, Dh), dtype=np.float32)                             # [H, Dh]
-        decode_attention(np.ascontiguousarray(q[0]), k, v, out)
-        return out.reshape(1, -1)
     if T > SMALL_M:
         return ops.attention(q, k, v, start)
     out = np.empty((T, H, Dh), dtype=np.float32)                              # [T, H, Dh]
-    causal_attention(np.ascontiguousarray(q), k, v, start, out)
+    (decode_attention if T <= FEW_TOKENS else causal_attention)(np.ascontiguousarray(q), k, v, start, out)
     return out.reshape(T, H * Dh)
 
 
@@ -903,11 +924,11 @@ def warmup(weight_types=(np.ndarray, Int8Channel, Int8Block, Q4Block)) -> float:
                                    else quantize(np.ones((rows, BLOCK), np.float32), formats[t]))
             _warmed.add(t)
     if "ops" not in _warmed:
-        kv = np.ones((3, 1, 4), dtype=np.float32)
-        attention(np.ones((1, 2, 4), np.float32), kv, kv, 2)
-        attention(np.ones((2, 2, 4), np.float32), kv, kv, 1)                # several query tokens
-        qkv = np.ones((3, 12), dtype=np.float32)                   # no cache: v stays a strided view of qkv
-        attention(np.ones((3, 2, 4), np.float32), kv, qkv[:, 8:].reshape(3, 1, 4), 0)
+        for T in (2, FEW_TOKENS + 1):                               # decode_attention, then causal_attention
+            kv = np.ones((T + 1, 1, 4), dtype=np.float32)
+            attention(np.ones((T, 2, 4), np.float32), kv, kv, 1)           # after a cache
+            qkv = np.ones((T, 12), dtype=np.float32)               # no cache: v stays a strided view of qkv
+            attention(np.ones((T, 2, 4), np.float32), kv[:T], qkv[:, 8:].reshape(T, 1, 4), 0)
         from . import paged                                         # (imported here: paged imports this module)
         blocks = np.ones((2, 2, 1, 4), dtype=np.float32)            # [NB, BS, KVH, Dh]
         paged.paged_decode_attention(np.ones((2, 2, 4), np.float32), blocks, blocks,
