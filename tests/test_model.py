@@ -238,3 +238,21 @@ def test_fused_decode_equals_the_op_by_op_blocks(quant, activations, monkeypatch
     m.fused_decode = False
     with pytest.raises(AssertionError, match="not taken"):
         m.decode_step(3, m.new_cache(4))
+
+
+def test_a_pass_past_small_m_rows_keeps_attention_off_numba(monkeypatch):
+    """Two 70-token prompts in one pass: 140 rows, so the linears run on BLAS (kernels.SMALL_M); attention must
+    then run in numpy too (Numba's and BLAS's threads would take turns on the cores), with the same logits."""
+    from tinyllm import kernels
+    m = random_model("llama", context_length=128)
+    prompts = [np.random.default_rng(s).integers(0, 50, 70) for s in (3, 4)]
+    alone = [m.prefill(p, m.new_cache(80)) for p in prompts]            # 70 rows: Numba attention
+
+    def numba_attention(*args):
+        raise AssertionError("Numba attention in a BLAS pass")
+    monkeypatch.setattr(kernels, "attention", numba_attention)
+    together = m.forward_batch(prompts, [m.new_cache(80) for _ in prompts], last_only=True)
+    for a, t in zip(alone, together):
+        np.testing.assert_allclose(t[0], a, atol=1e-4)
+    with pytest.raises(AssertionError, match="BLAS pass"):              # (the check can fail)
+        m.prefill(prompts[0], m.new_cache(80))

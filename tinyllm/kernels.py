@@ -846,6 +846,10 @@ def decode_block(x, attn_norm, ffn_norm, wqkv, wo, w_in, w_out, int8_inputs, k_c
 # fp32 545-561 vs 492-504 tok/s, int8 573-596 vs 374-413, q4_1 374-392 vs 220 (each BLAS call on a quantized
 # weight first dequantizes it, which costs the same whatever the number of rows). At 256 tokens: fp32 equal,
 # int8 515-521 vs 458-467, q4_1 331-370 vs 391-423; at 512 BLAS wins (fp32 425-465 vs 367-376).
+# The same holds for a pass of several sequences: its linears see all the rows, so past SMALL_M they run on BLAS,
+# while each sequence's attention sees only its own. Transformer._block then sends attention to numpy as well:
+# 8 prompts of 20 tokens in one pass (the engine's static batch) took 1012 ms with Numba attention beside the
+# BLAS linears, 288 ms with numpy attention.
 SMALL_M = 128
 FUSED_DECODE = not config.DISABLE_JIT     # decode_block needs compiled code (linear_into has no Python body)
 TILE_ROWS = 512   # rows of a quantized weight dequantized at a time for the BLAS path (fits in L2)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import ops, paged
+from . import kernels, ops, paged
 from .config import ModelConfig
 from .kv_cache import ContiguousKVCache
 from .quant import QuantizedWeight
@@ -231,20 +231,24 @@ class Transformer:
         v = qkv[:, (H + KVH) * Dh:].reshape(T, KVH, Dh)            # [T, KVH, Dh]
         if rope is not None:                                        # rotate q and k by their positions
             q, k = o.apply_rope(q, *rope), o.apply_rope(k, *rope)
+        # past SMALL_M rows the numba backend's linears run on BLAS; attention then runs in numpy too, so that
+        # BLAS's and Numba's threads never take turns on the same cores within one pass (kernels.py, "dispatch")
+        blas_pass = self.backend == "numba" and T > kernels.SMALL_M
+        o_att, att_backend = (ops, "numpy") if blas_pass else (o, self.backend)
         if batch is None and len(loose) == 1:                       # one sequence: attend over its whole history
             _, cache, start = loose[0]
             if cache is not None:                                   # store this step's K/V, read back all of it
                 k, v = cache.update(i, start, k, v)                 # [S, KVH, Dh], S = start + T
-            att = o.attention(q, k, v, start)                       # [T, H*Dh]
+            att = o_att.attention(q, k, v, start)                   # [T, H*Dh]
         else:                                                       # several: each against its own cache
             att = np.empty((T, H * Dh), dtype=np.float32)
             if batch is not None:                                   # paged one-token rows: one call
-                att[batch.rows] = batch.attend(i, q[batch.rows], k[batch.rows], v[batch.rows], self.backend)
+                att[batch.rows] = batch.attend(i, q[batch.rows], k[batch.rows], v[batch.rows], att_backend)
             for rows, cache, start in loose:
                 k_s, v_s = k[rows], v[rows]
                 if cache is not None:
                     k_s, v_s = cache.update(i, start, k_s, v_s)
-                att[rows] = o.attention(q[rows], k_s, v_s, start)
+                att[rows] = o_att.attention(q[rows], k_s, v_s, start)
         x = x + o.linear(att, layer.wo, layer.bo)                   # [T, D]
 
         # feed-forward
