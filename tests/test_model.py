@@ -213,30 +213,34 @@ def test_activations_setting():
 @pytest.mark.parametrize("quant,activations", [(None, "float32"), ("int8", "float32"), ("int8", "int8"),
                                                ("int8-block", "int8"), ("q4_1", "float32"), ("q4_1", "int8")])
 def test_fused_decode_equals_the_op_by_op_blocks(quant, activations, monkeypatch):
-    """A numba decode step runs each block as one kernels.decode_block call; it must give bit for bit the logits
-    and the cache of the op-by-op `_block` path it replaces."""
+    """A numba pass of up to FEW_TOKENS tokens on a contiguous cache runs each block as one kernels.decode_block
+    call; it must give bit for bit the logits and the cache of the op-by-op `_block` path it replaces: for a
+    prompt, decode steps, and verification-sized passes (3 rows: the pair kernels; 9: the tiles; 16: the most)."""
+    from tinyllm import kernels
     m = random_model("llama", dim=64, ffn_dim=64, quant=quant, activations=activations)
     if quant:
         m.layers[1].wo.int8_inputs = not m.layers[1].wo.int8_inputs     # flags are per matrix, not per model
-    ids = np.random.default_rng(2).integers(0, 50, 12)
+    ids = np.random.default_rng(2).integers(0, 50, 40)
+    chunks = [ids[:5], ids[5:6], ids[6:7], ids[7:10], ids[10:19], ids[19:35], ids[35:36]]
     logits, caches = {}, {}
     for fused in (False, True):
         m.fused_decode = fused
-        cache = m.new_cache(32)
-        m.prefill(ids[:5], cache)                                        # several rows: never fused
-        logits[fused] = np.stack([m.decode_step(int(t), cache) for t in ids[5:]])
+        cache = m.new_cache(40)
+        logits[fused] = np.concatenate([m.forward(c, cache) for c in chunks])
         caches[fused] = cache
     np.testing.assert_array_equal(logits[True], logits[False])
-    np.testing.assert_array_equal(caches[True].k[:, :12], caches[False].k[:, :12])
-    np.testing.assert_array_equal(caches[True].v[:, :12], caches[False].v[:, :12])
+    np.testing.assert_array_equal(caches[True].k[:, :36], caches[False].k[:, :36])
+    np.testing.assert_array_equal(caches[True].v[:, :36], caches[False].v[:, :36])
 
     def op_by_op(*args):
-        raise AssertionError("the fused path was not taken")
+        raise AssertionError("the op-by-op path ran")
     monkeypatch.setattr(m, "_block", op_by_op)
     m.fused_decode = True
-    m.decode_step(3, m.new_cache(4))                                     # a one-token step never calls _block
+    m.forward(ids[:kernels.FEW_TOKENS], m.new_cache(40))                # fused: never calls _block
+    with pytest.raises(AssertionError, match="op-by-op"):               # a longer prompt runs op by op
+        m.forward(ids[:kernels.FEW_TOKENS + 1], m.new_cache(40))
     m.fused_decode = False
-    with pytest.raises(AssertionError, match="not taken"):
+    with pytest.raises(AssertionError, match="op-by-op"):
         m.decode_step(3, m.new_cache(4))
 
 

@@ -510,6 +510,18 @@ if HAVE_VNNI:
         for o in prange(packed.shape[0]):
             for m in range(M):
                 out[m, o] = _dot_q4(packed, o, d, mins, xq[m], xs[m], xlane[m])
+else:   # no VNNI (another CPU, or stepping through as Python): the same products from the float kernels
+    @njit(**_SERIAL)
+    def linear_int8_channel_vnni(q, scale, x, out):
+        linear_int8_channel(q, scale, round_rows(x), out)
+
+    @njit(**_SERIAL)
+    def linear_int8_block_vnni(q, scale, x, out):
+        linear_int8_block(q, scale, round_rows(x), out)
+
+    @njit(**_SERIAL)
+    def linear_q4_vnni(packed, d, mins, x, out):
+        linear_q4(packed, d, mins, round_rows(x), out)
 
 
 def _linear_quantized(x, w, out):
@@ -751,8 +763,9 @@ def weight_arrays(w) -> tuple:
 
 
 def linear_into(w, x, out, int8_inputs):
-    """out [M, O] = x [M, I] times w, given as `weight_arrays(w)`: the dispatch of `_linear_quantized`, for
-    compiled callers (the format is chosen when the caller compiles). M < TILE_MIN_ROWS."""
+    """out [M, O] = x [M, I] times w, given as `weight_arrays(w)`, M <= SMALL_M: the dispatch of `linear` and
+    `_linear_quantized`, for compiled callers (the format is chosen when the caller compiles, the kernel for M
+    when it runs)."""
     raise NotImplementedError("linear_into is called from compiled code only")
 
 
@@ -760,81 +773,88 @@ def linear_into(w, x, out, int8_inputs):
 def _linear_into_typed(w, x, out, int8_inputs):
     parts = w.types
     if len(parts) == 1:                                                          # float32
-        return lambda w, x, out, int8_inputs: linear_f32_few(w[0], x, out)
-    if len(parts) == 2 and parts[1].ndim == 1:                                   # int8, one scale per row
-        if HAVE_VNNI:
-            def int8_channel(w, x, out, int8_inputs):
-                if int8_inputs:
-                    linear_int8_channel_vnni(w[0], w[1], x, out)
-                else:
-                    linear_int8_channel(w[0], w[1], x, out)
-            return int8_channel
-        return lambda w, x, out, int8_inputs: linear_int8_channel(w[0], w[1], round_rows(x) if int8_inputs
-                                                                  else x, out)
-    if len(parts) == 2:                                                          # int8, one scale per block
-        if HAVE_VNNI:
-            def int8_block(w, x, out, int8_inputs):
-                if int8_inputs:
-                    linear_int8_block_vnni(w[0], w[1], x, out)
-                else:
-                    linear_int8_block(w[0], w[1], x, out)
-            return int8_block
-        return lambda w, x, out, int8_inputs: linear_int8_block(w[0], w[1], round_rows(x) if int8_inputs
-                                                                else x, out)
-    if HAVE_VNNI:                                                                # q4_1
-        def q4(w, x, out, int8_inputs):
-            if int8_inputs:
-                linear_q4_vnni(w[0], w[1], w[2], x, out)
+        def f32(w, x, out, int8_inputs):
+            if x.shape[0] < TILE_MIN_ROWS:
+                linear_f32_few(w[0], x, out)
             else:
-                linear_q4(w[0], w[1], w[2], x, out)
-        return q4
-    return lambda w, x, out, int8_inputs: linear_q4(w[0], w[1], w[2], round_rows(x) if int8_inputs else x, out)
+                linear_f32(w[0], x, out)
+        return f32
+    # the quantized formats: the integer kernels for int8 inputs below TILE_MIN_ROWS, else the float kernels, on
+    # the rounded rows if the inputs are int8
+    if len(parts) == 2 and parts[1].ndim == 1:                                   # int8, one scale per row
+        def int8_channel(w, x, out, int8_inputs):
+            if int8_inputs and x.shape[0] < TILE_MIN_ROWS:
+                linear_int8_channel_vnni(w[0], w[1], x, out)
+            else:
+                linear_int8_channel(w[0], w[1], round_rows(x) if int8_inputs else x, out)
+        return int8_channel
+    if len(parts) == 2:                                                          # int8, one scale per block
+        def int8_block(w, x, out, int8_inputs):
+            if int8_inputs and x.shape[0] < TILE_MIN_ROWS:
+                linear_int8_block_vnni(w[0], w[1], x, out)
+            else:
+                linear_int8_block(w[0], w[1], round_rows(x) if int8_inputs else x, out)
+        return int8_block
+
+    def q4(w, x, out, int8_inputs):                                              # q4_1
+        if int8_inputs and x.shape[0] < TILE_MIN_ROWS:
+            linear_q4_vnni(w[0], w[1], w[2], x, out)
+        else:
+            linear_q4(w[0], w[1], w[2], round_rows(x) if int8_inputs else x, out)
+    return q4
 
 
 @njit(**_SERIAL)
 def decode_block(x, attn_norm, ffn_norm, wqkv, wo, w_in, w_out, int8_inputs, k_cache, v_cache, pos, cos, sin,
                  n_heads, eps):
-    """One Llama block for the one token of a decode step; x [1, D] is updated in place.
+    """One Llama block for the T new tokens of a step (1 in a decode step, k+1 in a speculative verification,
+    T <= FEW_TOKENS) at positions pos .. pos+T-1; x [T, D] is updated in place.
     Matrices as `weight_arrays` tuples, int8_inputs: for each of the four, whether it rounds its input to int8;
-    k_cache, v_cache [S_max, KVH, Dh]: this layer's cache, the token's K and V go to position pos; cos, sin [Dh/2]:
-    the rotation of position pos."""
-    D = x.shape[1]
+    k_cache, v_cache [S_max, KVH, Dh]: this layer's cache, where the tokens' K and V go; cos, sin [T, Dh/2]: the
+    rotations of their positions."""
+    T, D = x.shape
     KVH, Dh = k_cache.shape[1], k_cache.shape[2]
     H, half = n_heads, Dh // 2
-    h = np.empty((1, D), np.float32)                            # [1, D] normed x
-    delta = np.empty((1, D), np.float32)                        # [1, D] what a sub-block adds to x
+    h = np.empty((T, D), np.float32)                            # [T, D] normed x
+    delta = np.empty((T, D), np.float32)                        # [T, D] what a sub-block adds to x
 
     # attention
     _rmsnorm(x, attn_norm, eps, h)
-    qkv = np.empty((1, (H + 2 * KVH) * Dh), np.float32)         # [1, (H + 2*KVH) * Dh]
+    qkv = np.empty((T, (H + 2 * KVH) * Dh), np.float32)         # [T, (H + 2*KVH) * Dh]
     linear_into(wqkv, h, qkv, int8_inputs[0])
-    q = np.empty((1, H, Dh), np.float32)                        # [1, H, Dh]
-    for head in range(H + KVH):                                 # rotate q and k (half-split pairs, ops.apply_rope)
-        for i in range(half):
-            a, b = qkv[0, head * Dh + i], qkv[0, head * Dh + half + i]
-            ra, rb = a * cos[i] - b * sin[i], b * cos[i] + a * sin[i]
-            if head < H:
-                q[0, head, i], q[0, head, half + i] = ra, rb
-            else:                                               # k goes straight into the cache at pos
-                k_cache[pos, head - H, i], k_cache[pos, head - H, half + i] = ra, rb
-    for kvh in range(KVH):
-        for j in range(Dh):
-            v_cache[pos, kvh, j] = qkv[0, (H + KVH + kvh) * Dh + j]
-    att = np.empty((1, H, Dh), np.float32)                      # [1, H, Dh]
-    decode_attention(q, k_cache[:pos + 1], v_cache[:pos + 1], pos, att)
-    linear_into(wo, att.reshape(1, H * Dh), delta, int8_inputs[1])
-    for i in range(D):
-        x[0, i] += delta[0, i]
+    q = np.empty((T, H, Dh), np.float32)                        # [T, H, Dh]
+    for t in range(T):
+        for head in range(H + KVH):                             # rotate q and k (half-split pairs, ops.apply_rope)
+            for i in range(half):
+                a, b = qkv[t, head * Dh + i], qkv[t, head * Dh + half + i]
+                ra, rb = a * cos[t, i] - b * sin[t, i], b * cos[t, i] + a * sin[t, i]
+                if head < H:
+                    q[t, head, i], q[t, head, half + i] = ra, rb
+                else:                                           # k goes straight into the cache at pos + t
+                    k_cache[pos + t, head - H, i], k_cache[pos + t, head - H, half + i] = ra, rb
+        for kvh in range(KVH):
+            for j in range(Dh):
+                v_cache[pos + t, kvh, j] = qkv[t, (H + KVH + kvh) * Dh + j]
+    att = np.empty((T, H, Dh), np.float32)                      # [T, H, Dh]
+    decode_attention(q, k_cache[:pos + T], v_cache[:pos + T], pos, att)
+    linear_into(wo, att.reshape(T, H * Dh), delta, int8_inputs[1])
+    for t in range(T):
+        for i in range(D):
+            x[t, i] += delta[t, i]
 
     # feed-forward
     _rmsnorm(x, ffn_norm, eps, h)
-    gate_up = np.empty((1, w_in[0].shape[0]), np.float32)       # [1, 2F]
+    gate_up = np.empty((T, w_in[0].shape[0]), np.float32)       # [T, 2F]
     linear_into(w_in, h, gate_up, int8_inputs[2])
-    act = np.empty((1, gate_up.shape[1] // 2), np.float32)     # [1, F]
-    _swiglu(gate_up, act)
+    act = np.empty((T, gate_up.shape[1] // 2), np.float32)     # [T, F]
+    if T >= 4:                                                  # as `swiglu` chooses
+        _swiglu_rows(gate_up, act)
+    else:
+        _swiglu(gate_up, act)
     linear_into(w_out, act, delta, int8_inputs[3])
-    for i in range(D):
-        x[0, i] += delta[0, i]
+    for t in range(T):
+        for i in range(D):
+            x[t, i] += delta[t, i]
 
 
 # --- dispatch --------------------------------------------------------------------------------------------------
@@ -900,7 +920,7 @@ _warmed: set = set()
 def _warm_decode_block(weight) -> None:
     """Compile decode_block for one weight format. weight(rows) -> a [rows, 32] matrix of that format."""
     H, KVH, Dh = 2, 1, BLOCK // 2                                   # so every matrix is [*, 32]: one block wide
-    x, norm, trig = np.ones((1, BLOCK), np.float32), np.ones(BLOCK, np.float32), np.ones(Dh // 2, np.float32)
+    x, norm, trig = np.ones((1, BLOCK), np.float32), np.ones(BLOCK, np.float32), np.ones((1, Dh // 2), np.float32)
     kv = np.zeros((4, KVH, Dh), np.float32)                         # [S_max, KVH, Dh]
     mats = [weight(rows) for rows in ((H + 2 * KVH) * Dh, BLOCK, 2 * BLOCK, BLOCK)]   # wqkv, wo, w_in, w_out
     decode_block(x, norm, norm, *(weight_arrays(w) for w in mats), (False,) * 4, kv, kv, 0, trig, trig, H, 1e-5)

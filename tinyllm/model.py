@@ -76,7 +76,7 @@ class Transformer:
         self.quant = quant or "fp32"
         self.quant_report = quant_report or []
         self.jit_s = 0.0                    # seconds spent compiling / loading kernels (numba backend)
-        self.fused_decode = True            # numba backend: a one-token step runs each block as one compiled call
+        self.fused_decode = True            # numba backend: a step of a few tokens runs each block as one call
         c = config
         self.tok_embed = weights["tok_embed"]                      # [V, D]
         self.lm_head = weights.get("lm_head", self.tok_embed)      # [V, D]; the same array when tied
@@ -203,7 +203,7 @@ class Transformer:
         # blocks through its block table, paged.py), a loop over the other sequences
         batch, loose = paged.DecodeBatch.split(segments)
         if self._fusable(x, batch, loose):
-            self._fused_decode_blocks(x, *loose[0][1:])             # x [1, D], updated in place
+            self._fused_decode_blocks(x, *loose[0][1:])             # x [T, D], updated in place
         else:
             for i, layer in enumerate(self.layers):
                 x = self._block(x, layer, i, rope, batch, loose)    # [N, D]
@@ -260,17 +260,17 @@ class Transformer:
         return x + o.linear(h, layer.w_out, layer.b_out)            # [T, D]
 
     def _fusable(self, x, batch, loose: list) -> bool:
-        """Can this pass take the fused decode path: one token of one sequence on a contiguous cache, through
-        the Llama blocks (no attention biases) on the numba backend?"""
+        """Can this pass take the fused path: a few tokens (a decode step, a verification) of one sequence on a
+        contiguous cache, through Llama blocks (no attention biases), on the numba backend?"""
         return (self.fused_decode and self.backend == "numba" and self.ops.FUSED_DECODE and batch is None
-                and len(loose) == 1 and x.shape[0] == 1 and type(loose[0][1]) is ContiguousKVCache
+                and len(loose) == 1 and x.shape[0] <= self.ops.FEW_TOKENS and type(loose[0][1]) is ContiguousKVCache
                 and self.config.arch == "llama" and not self.config.attn_bias)
 
     def _fused_decode_blocks(self, x, cache: ContiguousKVCache, start: int) -> None:
-        """The fast twin of the `_block` loop for one decode token: each layer is one call of kernels.decode_block,
+        """The fast twin of the `_block` loop for a few new tokens: each layer is one call of kernels.decode_block,
         which runs the same kernels with no Python between them (tests/test_model.py checks the two agree)."""
-        c = self.config
-        cos, sin = self.rope_cos[start], self.rope_sin[start]      # [Dh/2] each: the rotation of position start
+        c, T = self.config, x.shape[0]
+        cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]   # [T, Dh/2] each
         for i, layer in enumerate(self.layers):
             int8_inputs = tuple(getattr(w, "int8_inputs", False) for w in (layer.wqkv, layer.wo, layer.w_in,
                                                                             layer.w_out))
