@@ -196,6 +196,36 @@ def test_warmup_leaves_nothing_to_compile_mid_request():
     assert r.returncode == 0, r.stderr[-3000:]
 
 
+NO_VNNI_CHECK = """
+import numpy as np
+from tinyllm import kernels
+from test_model import random_model
+assert not kernels.HAVE_VNNI
+for quant in ("int8", "int8-block", "q4_1"):
+    m = random_model("llama", dim=64, ffn_dim=64, quant=quant, activations="int8")
+    ids = np.random.default_rng(1).integers(0, 50, 20)
+    full = m.logits(ids)                                            # [20, V], tiled float kernels on rounded rows
+    cache = m.new_cache(64)
+    got = [m.prefill(ids[:12], cache).reshape(-1)]
+    got += [m.decode_step(int(t), cache).reshape(-1) for t in ids[12:19]]   # one row: the no-VNNI stand-ins
+    np.testing.assert_allclose(np.stack(got), full[11:19], atol=1e-4)
+"""
+
+
+def test_int8_activations_without_vnni(tmp_path):
+    """A CPU without AVX-512 VNNI (here: a portable build, NUMBA_CPU_NAME=generic) runs int8 activations through
+    the float kernels on the rounded rows, in the op-by-op and in the fused path alike. In a fresh process, with
+    its own kernel cache."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", NO_VNNI_CHECK], cwd=Path(__file__).parent, capture_output=True,
+                       text=True, timeout=900, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("quant_name", [None, "int8", "native"])
 def test_backends_give_the_same_greedy_tokens(default_model_path, quant_name):

@@ -781,20 +781,16 @@ def _linear_into_typed(w, x, out, int8_inputs):
         return f32
     # the quantized formats: the integer kernels for int8 inputs below TILE_MIN_ROWS, else the float kernels, on
     # the rounded rows if the inputs are int8
-    if len(parts) == 2 and parts[1].ndim == 1:                                   # int8, one scale per row
-        def int8_channel(w, x, out, int8_inputs):
+    if len(parts) == 2:                                  # int8: one scale per row (scale [O]) or per block of 32
+        integer, floats = ((linear_int8_channel_vnni, linear_int8_channel) if parts[1].ndim == 1
+                           else (linear_int8_block_vnni, linear_int8_block))
+
+        def int8(w, x, out, int8_inputs):
             if int8_inputs and x.shape[0] < TILE_MIN_ROWS:
-                linear_int8_channel_vnni(w[0], w[1], x, out)
+                integer(w[0], w[1], x, out)
             else:
-                linear_int8_channel(w[0], w[1], round_rows(x) if int8_inputs else x, out)
-        return int8_channel
-    if len(parts) == 2:                                                          # int8, one scale per block
-        def int8_block(w, x, out, int8_inputs):
-            if int8_inputs and x.shape[0] < TILE_MIN_ROWS:
-                linear_int8_block_vnni(w[0], w[1], x, out)
-            else:
-                linear_int8_block(w[0], w[1], round_rows(x) if int8_inputs else x, out)
-        return int8_block
+                floats(w[0], w[1], round_rows(x) if int8_inputs else x, out)
+        return int8
 
     def q4(w, x, out, int8_inputs):                                              # q4_1
         if int8_inputs and x.shape[0] < TILE_MIN_ROWS:
