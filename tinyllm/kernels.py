@@ -747,14 +747,15 @@ def causal_attention(q, k, v, start, out):
                     out[t, kvh * G + g, j] += p * v[s, kvh, j]
 
 
-# --- a whole block of one decode step in one call -----------------------------------------------------------------
+# --- a whole block of a decode step in one call -------------------------------------------------------------------
 # Called op by op from Python (model._block), a decode step makes about 13 kernel calls per layer, 390 for SmolLM2,
-# plus the numpy glue between them; each call costs microseconds of argument checking and unboxing, and together
-# they measured ~0.7 ms of an int8 step of 6.4 ms: time in which no weight byte is read. decode_block makes the
-# same calls from compiled code, one Python call per layer, as llama2.c's forward() does in C. It is the fast twin
-# of Transformer._block for the common case (a Llama block, one token, a contiguous cache); tests check that both
-# give the same logits. Weights come in as tuples of their arrays (`weight_arrays`), so one compiled version
-# serves each weight format.
+# plus the numpy glue between them; each call costs microseconds of argument checking and unboxing: time in which
+# no weight byte is read. decode_block makes the same calls from compiled code, one Python call per layer, as
+# llama2.c's forward() does in C. It is the fast twin of Transformer._block for the common case (a Llama block, a
+# few new tokens, a contiguous cache), and gives bit for bit the same logits (tests/test_model.py). Weights come in
+# as tuples of their arrays (`weight_arrays`), so one compiled version serves each weight format. Measured, A/B in
+# one process, decode step at context 256: int8+a8 6.04 -> 5.75 ms, q4_1+a8 (native) 5.76 -> 5.13, fp32 19.14 ->
+# 18.70; the same 30 layers with dim-64 matrices (what a step costs besides its arithmetic) 0.94 -> 0.59 ms.
 
 def weight_arrays(w) -> tuple:
     """A weight as the tuple of arrays the compiled code takes: (w,) for float32, (q, scale) for int8 and
