@@ -525,19 +525,18 @@ else:   # no VNNI (another CPU, or stepping through as Python): the same product
 
 
 def _linear_quantized(x, w, out):
-    """out [M, O] = x [M, I] (rounded to int8 blocks if w.int8_inputs) times the quantized weight w."""
-    if not w.int8_inputs:                                                       # weight-only: float inputs
-        vnni = False
-    else:
-        vnni = HAVE_VNNI and x.shape[0] < TILE_MIN_ROWS
-        if not vnni:
-            x = round_rows(x)                                                   # [M, I] on the int8 grid
+    """out [M, O] = x [M, I] (rounded to int8 blocks if w.int8_inputs) times the quantized weight w. The same rule as
+    `linear_into`: the integer kernels (or, without VNNI, their stand-ins) for int8 inputs below TILE_MIN_ROWS, else
+    the float kernels, on the rounded rows if the inputs are int8."""
+    integer = w.int8_inputs and x.shape[0] < TILE_MIN_ROWS
+    if w.int8_inputs and not integer:
+        x = round_rows(x)                                                       # [M, I] on the int8 grid
     if isinstance(w, Int8Channel):
-        linear_int8_channel_vnni(w.q, w.scale, x, out) if vnni else linear_int8_channel(w.q, w.scale, x, out)
+        (linear_int8_channel_vnni if integer else linear_int8_channel)(w.q, w.scale, x, out)
     elif isinstance(w, Int8Block):
-        linear_int8_block_vnni(w.q, w.scale, x, out) if vnni else linear_int8_block(w.q, w.scale, x, out)
+        (linear_int8_block_vnni if integer else linear_int8_block)(w.q, w.scale, x, out)
     elif isinstance(w, Q4Block):
-        linear_q4_vnni(w.packed, w.d, w.m, x, out) if vnni else linear_q4(w.packed, w.d, w.m, x, out)
+        (linear_q4_vnni if integer else linear_q4)(w.packed, w.d, w.m, x, out)
     else:
         raise TypeError(f"no kernel for weight type {type(w).__name__}")
 

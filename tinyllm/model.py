@@ -56,8 +56,7 @@ class LayerWeights:
     @functools.cached_property
     def matrix_arrays(self) -> tuple:
         """(wqkv, wo, w_in, w_out), each as the tuple of its arrays: what kernels.decode_block takes."""
-        from .kernels import weight_arrays
-        return tuple(weight_arrays(w) for w in (self.wqkv, self.wo, self.w_in, self.w_out))
+        return tuple(kernels.weight_arrays(w) for w in (self.wqkv, self.wo, self.w_in, self.w_out))
 
 
 class Transformer:
