@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import tinyllm
+from tinyllm.quant import Int8Block, Int8Channel, Q4Block
 from tinyllm.sampling import SamplingParams, probabilities
 from tinyllm.speculative import (ModelDraft, NgramDraft, SpeculativeStats, accept_greedy, accept_or_resample,
                                  early_exit, expected_speedup, make_draft, quantized_copy, speculative_generate)
@@ -244,7 +245,27 @@ def test_draft_builders_share_or_shrink_the_target(tiny_pair):
     assert ee.config.n_layers == 1 and ee.layers[0] is target.layers[0] and ee.lm_head is target.lm_head
     assert target.config.n_layers == 2 and len(target.layers) == 2   # the target is untouched
     q4 = quantized_copy(target, "q4_1")
-    assert q4.weight_bytes < target.weight_bytes / 4 and target.quant == "fp32"
+    assert q4.weight_bytes < target.weight_bytes / 3 and target.quant == "fp32"
+    # 4-bit matrices, an 8-bit head (DRAFT_HEAD_FORMAT), still tied to the embedding as in the target
+    assert all(isinstance(w, Q4Block) for layer in q4.layers for w in (layer.wqkv, layer.wo, layer.w_in, layer.w_out))
+    assert isinstance(q4.lm_head, Int8Block) and (q4.lm_head is q4.tok_embed) == target.tied_head
+    i8 = quantized_copy(target, "int8")
+    assert isinstance(i8.lm_head, Int8Channel) and isinstance(i8.layers[0].wo, Int8Channel)
+
+
+@pytest.mark.slow
+def test_self_q4_draft_is_the_files_own_quantization(default_model, default_model_path):
+    """The fp32 target is dequantized from the file's Q4_1 matrices and Q8_0 embedding; the self-q4 draft
+    quantizes it back to exactly those bytes (the same grid, found again from each block's min and max)."""
+    draft = quantized_copy(default_model, "q4_1")
+    native = tinyllm.load(default_model_path, quant="native")
+    pairs = [(draft.tok_embed, native.tok_embed)] + [
+        (getattr(d, name), getattr(n, name)) for d, n in zip(draft.layers, native.layers)
+        for name in ("wqkv", "wo", "w_in", "w_out")]
+    for ours, files in pairs:
+        assert type(ours) is type(files)
+        for a, b in zip(ours._arrays(), files._arrays()):
+            np.testing.assert_array_equal(a, b)
 
 
 # --- the real model: greedy speculative == plain greedy, token for token ---------------------------------------

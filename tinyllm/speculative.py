@@ -7,9 +7,10 @@ Inference from Transformers via Speculative Decoding"; Chen et al. 2023, "Accele
 Decoding with Speculative Sampling") keeps the output distributed exactly as the target alone would sample it.
 Greedy output is the target's own greedy output, token for token.
 
-Draft sources: another checkpoint with the same tokenizer ("draft=PATH"), the target quantized
-("self-int8", "self-q4"), the target's first N layers plus its output head ("layers:N", early exit), and
-n-gram prompt lookup ("ngram": no model, propose what followed the last occurrence of the current n-gram).
+Draft sources: another checkpoint with the same tokenizer ("draft=PATH"), the target quantized ("self-int8";
+"self-q4": 4-bit matrices, 8-bit head), the target's first N layers plus its output head ("layers:N", early
+exit), and n-gram prompt lookup ("ngram": no model, propose what followed the last occurrence of the current
+n-gram).
 Left out: tree drafts with several candidates per position (SpecInfer, Medusa), speculation across a batch,
 adaptive k. Only `cache.truncate` is needed for rollback, so any cache with that contract works.
 
@@ -239,21 +240,30 @@ def early_exit(target, n_layers: int):
     return draft
 
 
+# The format of a self-draft's output head (and embedding table), by the format of its matrices. A 4-bit head is
+# the one that costs acceptance: it picks the token. llama.cpp's 4-bit mixes keep output.weight at 6 or 8 bits for
+# that reason, and so does the default model's file (Q4_1 matrices, a Q8_0 embedding and tied head), which this
+# reproduces: the fp32 target's matrices requantize to exactly the file's Q4_1 bytes. Measured on the speculative
+# lab's chat prompt (k = 3, 48 tokens): alpha 0.71 with a 4-bit head, 1.00 with this one (benchmarks/RESULTS.md).
+DRAFT_HEAD_FORMAT = {"int8": "int8", "q4_1": "int8-block"}
+
+
 def quantized_copy(target, fmt: str, activations: str = "int8"):
-    """The target with every matrix (and the output head) quantized to `fmt`: self-speculation's draft.
-    Norms stay float32, as in weights.quantize_weights; a tied head stays tied. The draft multiplies int8
-    activations by default (quant.py): that makes it faster, and its small errors cannot change the output,
-    which the target's verification decides."""
-    def q(w):
+    """The target with every matrix quantized to `fmt` and its output head to DRAFT_HEAD_FORMAT[fmt]:
+    self-speculation's draft. Norms stay float32, as in weights.quantize_weights; a tied head stays tied. The
+    draft multiplies int8 activations by default (quant.py): that makes it faster, and its small errors cannot
+    change the output, which the target's verification decides."""
+    def q(w, to=fmt):
         if w is None:
             return None
-        return quantize(w.dequantize() if isinstance(w, QuantizedWeight) else w, fmt)
+        return quantize(w.dequantize() if isinstance(w, QuantizedWeight) else w, to)
 
+    head_fmt = DRAFT_HEAD_FORMAT.get(fmt, fmt)
     draft = copy.copy(target)
     draft.layers = [dataclasses.replace(layer, wqkv=q(layer.wqkv), wo=q(layer.wo), w_in=q(layer.w_in),
                                         w_out=q(layer.w_out)) for layer in target.layers]
-    draft.tok_embed = q(target.tok_embed)
-    draft.lm_head = draft.tok_embed if target.tied_head else q(target.lm_head)
+    draft.tok_embed = q(target.tok_embed, head_fmt)
+    draft.lm_head = draft.tok_embed if target.tied_head else q(target.lm_head, head_fmt)
     draft.quant = fmt
     draft.activations = activations
     return draft
