@@ -164,6 +164,7 @@ def signatures():
 
 for quant in (None, "int8", "int8-block", "q4_1"):
     model = random_model("llama", context_length=64, dim=64, ffn_dim=64, quant=quant)   # warms up its kernels
+    pool = paged.PagedKVCache(model.config, block_size=4, num_blocks=64)   # warms up the batched paged kernel
     before = signatures()
     for activations in ("float32", "int8") if quant else ("float32",):
         model.activations = activations
@@ -172,7 +173,6 @@ for quant in (None, "int8", "int8-block", "q4_1"):
         model.decode_step(6, cache)
         model.forward([7, 8, 9], cache)                             # a verification pass after a cache
         model.logits([1, 2, 3])                                     # no cache: strided k/v views
-        pool = paged.PagedKVCache(model.config, block_size=4, num_blocks=16)
         seqs = [pool.new_sequence() for _ in range(3)]
         model.forward_batch([[1, 2], [3], [4, 5, 6]], seqs)
         model.decode_batch([1, 2, 3], seqs)                         # the engine's batched paged step

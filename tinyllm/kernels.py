@@ -906,7 +906,10 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
     if T > SMALL_M:
         return ops.attention(q, k, v, start)
     out = np.empty((T, H, Dh), dtype=np.float32)                              # [T, H, Dh]
-    (decode_attention if T <= FEW_TOKENS else causal_attention)(np.ascontiguousarray(q), k, v, start, out)
+    # contiguous operands, one compiled version each: a cache's k, v already are; without a cache v is a strided
+    # view of the qkv rows, and a second version of each kernel for it cost ~6 s of compiling on a first run
+    q, k, v = np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v)
+    (decode_attention if T <= FEW_TOKENS else causal_attention)(q, k, v, start, out)
     return out.reshape(T, H * Dh)
 
 
@@ -946,13 +949,7 @@ def warmup(weight_types=(np.ndarray, Int8Channel, Int8Block, Q4Block)) -> float:
     if "ops" not in _warmed:
         for T in (2, FEW_TOKENS + 1):                               # decode_attention, then causal_attention
             kv = np.ones((T + 1, 1, 4), dtype=np.float32)
-            attention(np.ones((T, 2, 4), np.float32), kv, kv, 1)           # after a cache
-            qkv = np.ones((T, 12), dtype=np.float32)               # no cache: v stays a strided view of qkv
-            attention(np.ones((T, 2, 4), np.float32), kv[:T], qkv[:, 8:].reshape(T, 1, 4), 0)
-        from . import paged                                         # (imported here: paged imports this module)
-        blocks = np.ones((2, 2, 1, 4), dtype=np.float32)            # [NB, BS, KVH, Dh]
-        paged.paged_decode_attention(np.ones((2, 2, 4), np.float32), blocks, blocks,
-                                     np.zeros((2, 1), np.int32), np.ones(2, np.int32))
+            attention(np.ones((T, 2, 4), np.float32), kv, kv, 1)
         rmsnorm(x, x[0], 1e-5)
         for T in (1, 2):            # q and k are views of the qkv rows: contiguous for one row, strided for more
             qkv = np.ones((T, 16), dtype=np.float32)
@@ -960,4 +957,18 @@ def warmup(weight_types=(np.ndarray, Int8Channel, Int8Block, Q4Block)) -> float:
         swiglu(np.ones((1, 4), np.float32))
         swiglu(np.ones((4, 4), np.float32))                        # the parallel form, for batches
         _warmed.add("ops")
+    return time.perf_counter() - t0
+
+
+def warmup_paged() -> float:
+    """Compile (or load) the batched paged-attention kernel; PagedKVCache calls it when a pool is made, so
+    only users of a paged pool pay for it (~4 s on a first run). -> seconds it took (0 if done already)."""
+    if "paged" in _warmed:
+        return 0.0
+    t0 = time.perf_counter()
+    from . import paged                                             # (imported here: paged imports this module)
+    blocks = np.ones((2, 2, 1, 4), dtype=np.float32)                # [NB, BS, KVH, Dh]
+    paged.paged_decode_attention(np.ones((2, 2, 4), np.float32), blocks, blocks,
+                                 np.zeros((2, 1), np.int32), np.ones(2, np.int32))
+    _warmed.add("paged")
     return time.perf_counter() - t0
