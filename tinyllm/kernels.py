@@ -617,46 +617,6 @@ ATTN_CHUNK = 32   # cache positions per task in decode attention
 FEW_TOKENS = 16   # up to this many query tokens (decode, speculative verification) go to decode_attention
 
 
-@njit(**_SERIAL)
-def _attend_chunk(q, k, v, start, s0, s1, scores, acc, chunk_max, chunk_sum):
-    """decode_attention's work on cache positions s0 .. s1-1: for every query token and head, its scores
-    (scores [T, H, ATTN_CHUNK], scratch), their max -> chunk_max [T, H], the sum of their exponentials ->
-    chunk_sum [T, H], and the exponential-weighted sum of v -> acc [T, H, Dh] (zeros on entry)."""
-    T, H, Dh = q.shape
-    G = H // k.shape[1]
-    scale = np.float32(1.0 / np.sqrt(Dh))
-    for s in range(s0, s1):                                      # q . k, one pass over k[s0:s1]
-        for t in range(max(0, s - start), T):                    # the tokens that see position s
-            for h in range(H):
-                kvh = h // G
-                a = np.float32(0.0)
-                for j in range(Dh):
-                    a += q[t, h, j] * k[s, kvh, j]
-                scores[t, h, s - s0] = a * scale
-    for t in range(T):                                           # this chunk's softmax statistics
-        n = min(s1, start + t + 1) - s0                          # how many of its positions token t sees
-        for h in range(H):
-            if n <= 0:                                           # none: a chunk that adds nothing in the merge
-                chunk_max[t, h], chunk_sum[t, h] = np.float32(-1e30), np.float32(0.0)
-                continue
-            m = scores[t, h, 0]
-            for i in range(1, n):
-                m = max(m, scores[t, h, i])
-            total = np.float32(0.0)
-            for i in range(n):
-                e = exp32(scores[t, h, i] - m)
-                scores[t, h, i] = e
-                total += e
-            chunk_max[t, h], chunk_sum[t, h] = m, total
-    for s in range(s0, s1):                                      # weighted sum of v, one pass over v[s0:s1]
-        for t in range(max(0, s - start), T):
-            for h in range(H):
-                kvh = h // G
-                p = scores[t, h, s - s0]
-                for j in range(Dh):
-                    acc[t, h, j] += p * v[s, kvh, j]
-
-
 @njit(**_JIT)
 def decode_attention(q, k, v, start, out):
     """q [T, H, Dh]: T new tokens (1 in a decode step, k+1 in a speculative verification) at positions start ..
@@ -675,19 +635,50 @@ def decode_attention(q, k, v, start, out):
         tokens of a verification read the same rows from L1, so the cache is fetched from memory once and never
         copied. (One task per token, as causal_attention does for prompts, read it T times: a 4-token
         verification at context 300 took 3.2 ms for 30 layers that way, 2.2 ms here; one token 0.93 ms.)
-      * The per-chunk work is its own function, _attend_chunk: written inline in the prange loop, it made this
-        kernel take ~8 s to compile on a first run, ~4 s as a call (same code, bit for bit the same output).
     """
     T, H, Dh = q.shape
-    S = k.shape[0]
+    S, KVH, _ = k.shape
+    G = H // KVH
     n_chunks = (S + ATTN_CHUNK - 1) // ATTN_CHUNK
+    scale = np.float32(1.0 / np.sqrt(Dh))
     chunk_max = np.empty((n_chunks, T, H), dtype=np.float32)
     chunk_sum = np.empty((n_chunks, T, H), dtype=np.float32)
-    chunk_out = np.zeros((n_chunks, T, H, Dh), dtype=np.float32)
+    chunk_out = np.empty((n_chunks, T, H, Dh), dtype=np.float32)
     for c in prange(n_chunks):
+        s0, s1 = c * ATTN_CHUNK, min(S, (c + 1) * ATTN_CHUNK)
         scores = np.empty((T, H, ATTN_CHUNK), dtype=np.float32)
-        _attend_chunk(q, k, v, start, c * ATTN_CHUNK, min(S, (c + 1) * ATTN_CHUNK), scores, chunk_out[c],
-                      chunk_max[c], chunk_sum[c])
+        acc = np.zeros((T, H, Dh), dtype=np.float32)            # this chunk's weighted sum of v, per token and head
+        for s in range(s0, s1):                                  # q . k, one pass over k[s0:s1]
+            for t in range(max(0, s - start), T):                # the tokens that see position s
+                for h in range(H):
+                    kvh = h // G
+                    a = np.float32(0.0)
+                    for j in range(Dh):
+                        a += q[t, h, j] * k[s, kvh, j]
+                    scores[t, h, s - s0] = a * scale
+        for t in range(T):                                       # this chunk's softmax statistics
+            n = min(s1, start + t + 1) - s0                      # how many of its positions token t sees
+            for h in range(H):
+                if n <= 0:                                       # none: a chunk that adds nothing in the merge
+                    chunk_max[c, t, h], chunk_sum[c, t, h] = np.float32(-1e30), np.float32(0.0)
+                    continue
+                m = scores[t, h, 0]
+                for i in range(1, n):
+                    m = max(m, scores[t, h, i])
+                total = np.float32(0.0)
+                for i in range(n):
+                    e = exp32(scores[t, h, i] - m)
+                    scores[t, h, i] = e
+                    total += e
+                chunk_max[c, t, h], chunk_sum[c, t, h] = m, total
+        for s in range(s0, s1):                                  # weighted sum of v, one pass over v[s0:s1]
+            for t in range(max(0, s - start), T):
+                for h in range(H):
+                    kvh = h // G
+                    p = scores[t, h, s - s0]
+                    for j in range(Dh):
+                        acc[t, h, j] += p * v[s, kvh, j]
+        chunk_out[c] = acc
     for t in range(T):                                           # merge the chunks of each token and head
         for h in range(H):
             m = chunk_max[0, t, h]
