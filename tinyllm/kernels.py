@@ -962,7 +962,7 @@ def warmup(weight_types=(np.ndarray, Int8Channel, Int8Block, Q4Block)) -> float:
 
 def warmup_paged() -> float:
     """Compile (or load) the batched paged-attention kernel; PagedKVCache calls it when a pool is made, so
-    only users of a paged pool pay for it (~4 s on a first run). -> seconds it took (0 if done already)."""
+    only users of a paged pool pay for it (~2 s on a first run). -> seconds it took (0 if done already)."""
     if "paged" in _warmed:
         return 0.0
     t0 = time.perf_counter()

@@ -276,7 +276,7 @@ class PagedKVCache:
         self.allocator = BlockAllocator(num_blocks, block_size, prefix_caching)
         self.block_size, self.num_blocks, self.max_positions = block_size, num_blocks, config.context_length
         self._next_id = 0
-        self.jit_s = kernels.warmup_paged()    # compile the batched kernel now, not in the middle of a request
+        kernels.warmup_paged()                 # compile the batched kernel now, not in the middle of a request
 
     @property
     def bytes_per_token(self) -> int:
