@@ -89,7 +89,7 @@ def measure(model, ids, n_new, drafts: dict, configs: list[tuple[str, int]], run
     return out
 
 
-def pass_costs(model, drafts: dict, ids, reps: int = 15) -> tuple[list[str], str]:
+def pass_costs(model, drafts: dict, ids, reps: int = 15) -> tuple[list[str], dict]:
     """Best-of-reps time of one forward pass at the end of `ids`, as a fraction of one plain fp32 decode step:
     the target over T = 1 .. 9 tokens (a verify pass is T = k+1) and each model draft over one token.
     -> (table lines, {"step": ms, "verify": {k: ms}, "draft": {name: ms}})"""
