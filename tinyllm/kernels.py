@@ -310,9 +310,16 @@ def linear_q4(packed, d, mins, x, out):
 #   int8:    vpdpbusd needs one unsigned operand. |xq| is unsigned, and sign(xq) moves onto the weight
 #            (vpsignb: w * sign(xq)), so the product is unchanged: sum |xq| * (w * sign(xq)) = sum xq * w.
 #   4-bit:   the weight nibbles q in [0, 15] are already unsigned: sum q * xq directly; the block minimum's
-#            share m * sum(x) uses the rounded x's block sums, computed once per input row.
-# Numba cannot express vector instructions, so `_row_dot_codegen` writes the loop over one row's blocks in LLVM
-# IR. It is used up to TILE_MIN_ROWS input rows (decode); from there the tiled float kernels above reuse each
+#            share m * sum(x) uses the rounded x's block sums, computed once per input row. Blocks go two at a
+#            time: one 32-byte load holds both blocks' nibbles, and x is rearranged once per input row to match
+#            them, so a pair costs one load, two masks and two vpdpbusd (`_q4_dot_codegen`). One block at a time,
+#            with the nibbles shuffled into x's order in every block, the model's q4 matrices took 0.7-0.85 ns
+#            per block on 2 threads with the weights in cache (bound by instructions, not memory); in pairs
+#            0.55-0.6. Over a decode step's 120 matrices read from memory, A/B in one process: one input row 2.67
+#            -2.94 ms against 2.77-2.94 (now bound by memory), two rows (a speculative draft catching up) 3.98-4.32
+#            against 4.81-5.13.
+# Numba cannot express vector instructions, so `_int8_dot_codegen` and `_q4_dot_codegen` write the loop over one
+# row's blocks in LLVM IR. It is used up to TILE_MIN_ROWS input rows (decode); from there the tiled float kernels above reuse each
 # weight for several rows and win, and they get the rounded x (xq * xs), so every path computes the same
 # products. Without VNNI (another CPU, or NUMBA_DISABLE_JIT=1 to step through) the float kernels run on the
 # rounded x.
@@ -369,6 +376,7 @@ if HAVE_VNNI:
     _i8, _i32, _f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
     _V32i8, _V16i8, _V8i32, _V4i32, _V8f32 = (ir.VectorType(_i8, 32), ir.VectorType(_i8, 16), ir.VectorType(_i32, 8),
                                               ir.VectorType(_i32, 4), ir.VectorType(_f32, 8))
+    _V2f32 = ir.VectorType(_f32, 2)
 
     def _llvm_call(builder, name, ret, *args):
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
@@ -383,92 +391,121 @@ if HAVE_VNNI:
         v = builder.insert_element(ir.Constant(_V8f32, ir.Undefined), value, ir.Constant(_i32, 0))
         return builder.shuffle_vector(v, ir.Constant(_V8f32, ir.Undefined), ir.Constant(_V8i32, [0] * 8))
 
-    def _row_dot_codegen(kind):
-        """LLVM IR for one weight row o against one rounded input row; kind "int8", "int8-block" or "q4_1".
-        Arguments (as the intrinsics below declare them): int8 (w, o, xq, xabs, xs), int8-block (w, o, ws, xq,
-        xabs, xs), q4_1 (w, o, d, mins, xq, xs, xlane). Returns float32:
-            sum over the full blocks b of  [ws[o, b] *] xs[b] * (integer dot of block b's weights with xq)
-            [+ mins[o, b] * sum(xlane[b])]                                  (for q4_1, the minimums' share)."""
-        names = {"int8": "w o xq xabs xs", "int8-block": "w o ws xq xabs xs", "q4_1": "w o ws mins xq xs xlane"}[kind]
+    def _dpbusd(builder, acc, unsigned, signed):
+        """acc <8 x i32> + the products of 32 unsigned by 32 signed bytes, each group of 4 summed into one lane."""
+        return _llvm_call(builder, "llvm.x86.avx512.vpdpbusd.256", _V8i32, acc, unsigned, signed)
+
+    def _row_sum(builder, n_steps, step, row, bytes_per_step):
+        """The loop both dot products share: sum over i < n_steps of step(i) (an <8 x float>), in two running
+        sums (steps 2j and 2j+1), so that consecutive adds do not wait on each other; while it runs, ask for the
+        weight row's bytes PREFETCH_BYTES ahead. -> the float32 total of the 8 lanes."""
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(_V8f32, [0.0] * 8)) for _ in range(2)]
+
+        def add(i, acc_ptr):
+            builder.store(builder.fadd(builder.load(acc_ptr), step(i), flags=("fast",)), acc_ptr)
+
+        one, two = ir.Constant(n_steps.type, 1), ir.Constant(n_steps.type, 2)
+        with cgutils.for_range(builder, builder.udiv(n_steps, two)) as loop:
+            i = builder.mul(loop.index, two)
+            ahead = builder.gep(row, [builder.add(builder.mul(i, ir.Constant(i.type, bytes_per_step)),
+                                                  ir.Constant(i.type, PREFETCH_BYTES))])
+            _llvm_call(builder, "llvm.prefetch.p0", ir.VoidType(), ahead, ir.Constant(_i32, 0),
+                       ir.Constant(_i32, 3), ir.Constant(_i32, 1))
+            add(i, accs[0])
+            add(builder.add(i, one), accs[1])
+        with builder.if_then(builder.trunc(n_steps, ir.IntType(1))):                        # an odd count
+            add(builder.sub(n_steps, one), accs[0])
+        acc = builder.fadd(builder.load(accs[0]), builder.load(accs[1]), flags=("fast",))
+        half = builder.fadd(builder.shuffle_vector(acc, acc, ir.Constant(_V4i32, [0, 1, 2, 3])),        # 8 -> 4
+                            builder.shuffle_vector(acc, acc, ir.Constant(_V4i32, [4, 5, 6, 7])), flags=("fast",))
+        lane = [builder.extract_element(half, ir.Constant(_i32, j)) for j in range(4)]
+        return builder.fadd(builder.fadd(lane[0], lane[1], flags=("fast",)),
+                            builder.fadd(lane[2], lane[3], flags=("fast",)), flags=("fast",))
+
+    def _structs(context, builder, signature, args, names):
+        """The intrinsic's arguments by name: arrays as struct proxies (.data, .shape), the row index o as is."""
+        return {name: val if name == "o" else cgutils.create_struct_proxy(ty)(context, builder, value=val)
+                for name, ty, val in zip(names.split(), signature.args, args)}
+
+    def _int8_dot_codegen(kind):
+        """LLVM IR for one int8 weight row o against one rounded input row; kind "int8" (arguments w, o, xq,
+        xabs, xs) or "int8-block" (w, o, ws, xq, xabs, xs). Returns float32:
+            sum over the full blocks b of  [ws[o, b] *] xs[b] * (integer dot of block b's weights with xq)."""
+        names = {"int8": "w o xq xabs xs", "int8-block": "w o ws xq xabs xs"}[kind]
 
         def codegen(context, builder, signature, args):
-            a = {}
-            for name, ty, val in zip(names.split(), signature.args, args):
-                a[name] = val if name == "o" else cgutils.create_struct_proxy(ty)(context, builder, value=val)
+            a = _structs(context, builder, signature, args, names)
             o, xs = a["o"], a["xs"]
-            n_blocks = builder.extract_value(xs.shape, 0)
             row_len = builder.extract_value(a["w"].shape, 1)                 # bytes per weight row
+            row = builder.gep(a["w"].data, [builder.mul(o, row_len)])
             if kind == "int8":                                               # a last short block is the caller's
                 n_blocks = builder.udiv(row_len, ir.Constant(row_len.type, BLOCK))
-            row = builder.gep(a["w"].data, [builder.mul(o, row_len)])
-            if kind != "int8":
-                n_scales = builder.extract_value(a["ws"].shape, 1)
-                ws_row = builder.gep(a["ws"].data, [builder.mul(o, n_scales)])
-            if kind == "q4_1":
-                mins_row = builder.gep(a["mins"].data, [builder.mul(o, n_scales)])
-            zeros = ir.Constant(_V8i32, [0] * 8)
-            one, two = ir.Constant(n_blocks.type, 1), ir.Constant(n_blocks.type, 2)
-            # two accumulators (blocks 2k and 2k+1), so consecutive multiply-adds do not wait on each other
-            accs = [cgutils.alloca_once_value(builder, ir.Constant(_V8f32, [0.0] * 8)) for _ in range(2)]
+            else:
+                n_blocks = builder.extract_value(a["ws"].shape, 1)
+                ws_row = builder.gep(a["ws"].data, [builder.mul(o, n_blocks)])
 
-            def block(b, acc_ptr):
+            def block(b):
                 x_off = builder.mul(b, ir.Constant(b.type, BLOCK))
-                x = _load(builder, a["xq"].data, x_off, _V32i8)                              # 32 x int8
-                if kind == "q4_1":
-                    packed = _load(builder, row, builder.mul(b, ir.Constant(b.type, BLOCK // 2)), _V16i8)
-                    low = builder.and_(packed, ir.Constant(_V16i8, [15] * 16))                # values 0..15
-                    high = builder.lshr(packed, ir.Constant(_V16i8, [4] * 16))                # values 16..31
-                    q = builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(_i32, 32), list(range(32))))
-                    isum = _llvm_call(builder, "llvm.x86.avx512.vpdpbusd.256", _V8i32, zeros, q, x)
-                else:
-                    w = _load(builder, row, x_off, _V32i8)
-                    w_signed = _llvm_call(builder, "llvm.x86.avx2.psign.b", _V32i8, w, x)     # w * sign(x)
-                    x_abs = _load(builder, a["xabs"].data, x_off, _V32i8)
-                    isum = _llvm_call(builder, "llvm.x86.avx512.vpdpbusd.256", _V8i32, zeros, x_abs, w_signed)
+                w = _load(builder, row, x_off, _V32i8)                                   # 32 x int8
+                w_signed = _llvm_call(builder, "llvm.x86.avx2.psign.b", _V32i8, w, _load(builder, a["xq"].data,
+                                                                                        x_off, _V32i8))  # w * sign(x)
+                isum = _dpbusd(builder, ir.Constant(_V8i32, [0] * 8), _load(builder, a["xabs"].data, x_off, _V32i8),
+                               w_signed)
                 scale = builder.load(builder.gep(xs.data, [b]))
-                if kind != "int8":
+                if kind == "int8-block":
                     scale = builder.fmul(scale, builder.load(builder.gep(ws_row, [b])))
-                term = builder.fmul(builder.sitofp(isum, _V8f32), _splat(builder, scale), flags=("fast",))
-                if kind == "q4_1":        # + mins[o, b] * (the block's rounded x, summed in the 8 lanes' groups)
-                    m = builder.load(builder.gep(mins_row, [b]))
-                    lanes = _load(builder, a["xlane"].data, builder.mul(b, ir.Constant(b.type, 8)), _V8f32)
-                    term = builder.fadd(term, builder.fmul(_splat(builder, m), lanes, flags=("fast",)),
-                                        flags=("fast",))
-                builder.store(builder.fadd(builder.load(acc_ptr), term, flags=("fast",)), acc_ptr)
-
-            with cgutils.for_range(builder, builder.udiv(n_blocks, two)) as loop:
-                b = builder.mul(loop.index, two)
-                bytes_per_block = BLOCK // 2 if kind == "q4_1" else BLOCK
-                ahead = builder.gep(row, [builder.add(builder.mul(b, ir.Constant(b.type, bytes_per_block)),
-                                                      ir.Constant(b.type, PREFETCH_BYTES))])
-                _llvm_call(builder, "llvm.prefetch.p0", ir.VoidType(), ahead, ir.Constant(_i32, 0),
-                           ir.Constant(_i32, 3), ir.Constant(_i32, 1))
-                block(b, accs[0])
-                block(builder.add(b, one), accs[1])
-            with builder.if_then(builder.trunc(n_blocks, ir.IntType(1))):                   # an odd block count
-                block(builder.sub(n_blocks, one), accs[0])
-            acc = builder.fadd(builder.load(accs[0]), builder.load(accs[1]), flags=("fast",))
-            half = builder.fadd(builder.shuffle_vector(acc, acc, ir.Constant(_V4i32, [0, 1, 2, 3])),    # 8 -> 4
-                                builder.shuffle_vector(acc, acc, ir.Constant(_V4i32, [4, 5, 6, 7])), flags=("fast",))
-            total = builder.fadd(builder.fadd(builder.extract_element(half, ir.Constant(_i32, 0)),
-                                              builder.extract_element(half, ir.Constant(_i32, 1)), flags=("fast",)),
-                                 builder.fadd(builder.extract_element(half, ir.Constant(_i32, 2)),
-                                              builder.extract_element(half, ir.Constant(_i32, 3)), flags=("fast",)),
-                                 flags=("fast",))
-            return total
+                return builder.fmul(builder.sitofp(isum, _V8f32), _splat(builder, scale), flags=("fast",))
+            return _row_sum(builder, n_blocks, block, row, BLOCK)
         return codegen
+
+    def _q4_dot_codegen(context, builder, signature, args):
+        """LLVM IR for one 4-bit weight row o against one rounded input row, over its blocks two at a time.
+        Arguments (w, o, d, mins, xpair, xs8, xsum8), as linear_q4_vnni prepares them. Returns float32:
+            sum over the pairs p of blocks (b, b+1) = (2p, 2p+1) of the 8 lanes of
+                (integer dots) * d[o, b or b+1] * xs8[p]  +  mins[o, b or b+1] * xsum8[p]
+        Lanes 0-3 hold block b's share, lanes 4-7 block b+1's: the layout of vpdpbusd's result when its 32
+        bytes are 16 of block b and 16 of block b+1. That is how the weights lie: one 32-byte load is the two
+        blocks' packed bytes; its low nibbles are values 0-15 of each block, its high nibbles values 16-31.
+        linear_q4_vnni has put x in the same order (xpair), so the nibbles multiply x as they are, and a pair of
+        blocks costs one load, two masks and two vpdpbusd; the scales and minimums of both blocks are spread over
+        their four lanes each with one shuffle."""
+        a = _structs(context, builder, signature, args, "w o d mins xpair xs8 xsum8")
+        o = a["o"]
+        row = builder.gep(a["w"].data, [builder.mul(o, builder.extract_value(a["w"].shape, 1))])
+        n_blocks = builder.extract_value(a["d"].shape, 1)
+        d_row = builder.gep(a["d"].data, [builder.mul(o, n_blocks)])
+        mins_row = builder.gep(a["mins"].data, [builder.mul(o, n_blocks)])
+        four_each = ir.Constant(_V8i32, [0, 0, 0, 0, 1, 1, 1, 1])
+
+        def pair(p):
+            c = lambda n: ir.Constant(p.type, n)                                        # noqa: E731
+            packed = _load(builder, row, builder.mul(p, c(BLOCK)), _V32i8)             # 2 blocks x 16 bytes
+            low = builder.and_(packed, ir.Constant(_V32i8, [15] * 32))                 # values 0-15 of b, b+1
+            high = builder.lshr(packed, ir.Constant(_V32i8, [4] * 32))                 # values 16-31
+            x_off = builder.mul(p, c(2 * BLOCK))
+            isum = _dpbusd(builder, ir.Constant(_V8i32, [0] * 8), low, _load(builder, a["xpair"].data, x_off, _V32i8))
+            isum = _dpbusd(builder, isum, high, _load(builder, a["xpair"].data, builder.add(x_off, c(BLOCK)), _V32i8))
+            both = lambda ptr: builder.shuffle_vector(                                  # noqa: E731
+                _load(builder, ptr, builder.mul(p, c(2)), _V2f32), ir.Constant(_V2f32, ir.Undefined), four_each)
+            lanes = builder.mul(p, c(8))
+            scale = builder.fmul(both(d_row), _load(builder, a["xs8"].data, lanes, _V8f32), flags=("fast",))
+            term = builder.fmul(builder.sitofp(isum, _V8f32), scale, flags=("fast",))
+            return builder.fadd(term, builder.fmul(both(mins_row), _load(builder, a["xsum8"].data, lanes, _V8f32),
+                                                   flags=("fast",)), flags=("fast",))
+        n_pairs = builder.udiv(n_blocks, ir.Constant(n_blocks.type, 2))      # an odd last block is the caller's
+        return _row_sum(builder, n_pairs, pair, row, BLOCK)
 
     @intrinsic
     def _dot_int8(typingctx, w, o, xq, xabs, xs):
-        return types.float32(w, o, xq, xabs, xs), _row_dot_codegen("int8")
+        return types.float32(w, o, xq, xabs, xs), _int8_dot_codegen("int8")
 
     @intrinsic
     def _dot_int8_block(typingctx, w, o, ws, xq, xabs, xs):
-        return types.float32(w, o, ws, xq, xabs, xs), _row_dot_codegen("int8-block")
+        return types.float32(w, o, ws, xq, xabs, xs), _int8_dot_codegen("int8-block")
 
     @intrinsic
-    def _dot_q4(typingctx, w, o, d, mins, xq, xs, xlane):
-        return types.float32(w, o, d, mins, xq, xs, xlane), _row_dot_codegen("q4_1")
+    def _dot_q4(typingctx, w, o, d, mins, xpair, xs8, xsum8):
+        return types.float32(w, o, d, mins, xpair, xs8, xsum8), _q4_dot_codegen
 
     @njit(**_JIT)
     def linear_int8_channel_vnni(q, scale, x, out):
@@ -499,17 +536,39 @@ if HAVE_VNNI:
         """packed [O, I/2] uint8, d, mins [O, I/32], x [M, I] -> out [M, O], x rounded to int8 blocks first"""
         xq, _, xs = quantize_rows(x)
         M, nb = xs.shape
-        # the block sums of the rounded x for the minimums' share, kept as 8 partial sums (values 4l..4l+3 in
-        # lane l, the layout of vpdpbusd's result) so the kernel adds them with one vector multiply-add
-        xlane = np.empty((M, nb, 8), np.float32)                # [M, I/32, 8]
+        n_pairs = nb // 2
+        # What _q4_dot_codegen reads, per input row: the rounded x in the order of the weights' nibbles (in each
+        # pair of blocks, 64 values, the middle two quarters swap places: [b 0-15, b+1 0-15, b 16-31, b+1 16-31]),
+        # and for each pair 8 lanes of block scales and of block sums of x (for the minimums' share), lanes 0-3
+        # block b's, 4-7 block b+1's; lane l sums the 8 values its vpdpbusd lane multiplies.
+        xpair = xq.copy()                                       # [M, I] (an odd last block stays as it is)
+        xs8 = np.empty((M, n_pairs, 8), np.float32)             # [M, I/64, 8]
+        xsum8 = np.empty((M, n_pairs, 8), np.float32)           # [M, I/64, 8]
         for m in range(M):
-            for b in range(nb):
+            for p in range(n_pairs):
+                i = 2 * BLOCK * p
+                for j in range(16):
+                    xpair[m, i + 16 + j] = xq[m, i + 32 + j]
+                    xpair[m, i + 32 + j] = xq[m, i + 16 + j]
                 for lane in range(8):
-                    i = b * BLOCK + 4 * lane
-                    xlane[m, b, lane] = np.float32(xq[m, i] + xq[m, i + 1] + xq[m, i + 2] + xq[m, i + 3]) * xs[m, b]
+                    s = 0
+                    for j in range(4 * lane, 4 * lane + 4):
+                        s += np.int32(xpair[m, i + j]) + np.int32(xpair[m, i + 32 + j])
+                    xs8[m, p, lane] = xs[m, 2 * p + lane // 4]
+                    xsum8[m, p, lane] = np.float32(s) * xs8[m, p, lane]
+        last = nb - 1                                           # the unpaired block when nb is odd
         for o in prange(packed.shape[0]):
             for m in range(M):
-                out[m, o] = _dot_q4(packed, o, d, mins, xq[m], xs[m], xlane[m])
+                acc = _dot_q4(packed, o, d, mins, xpair[m], xs8[m], xsum8[m])
+                if nb % 2:
+                    isum, xsum = 0, 0
+                    for j in range(16):
+                        byte = np.int32(packed[o, 16 * last + j])
+                        lo, hi = np.int32(xq[m, BLOCK * last + j]), np.int32(xq[m, BLOCK * last + 16 + j])
+                        isum += (byte & 15) * lo + (byte >> 4) * hi
+                        xsum += lo + hi
+                    acc += xs[m, last] * (d[o, last] * np.float32(isum) + mins[o, last] * np.float32(xsum))
+                out[m, o] = acc
 else:   # no VNNI (another CPU, or stepping through as Python): the same products from the float kernels
     @njit(**_SERIAL)
     def linear_int8_channel_vnni(q, scale, x, out):
