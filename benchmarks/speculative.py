@@ -6,10 +6,11 @@ On the default model (fp32 target, greedy, so every run yields the same tokens a
 - "grounded": the chat model is asked to repeat a passage word for word; the output copies the input, the case
   n-gram prompt lookup is made for;
 - "chat": a free-form request (a short story), where the output shares little with the prompt.
-Each speculative run is paired with a plain run of the same prompt in the same repetition and runs alternate. Speeds
-are decode tok/s from tinyllm.generate's own stats (every token after the first, so the draft's prefill counts).
-The machine is shared, so the speedup is best-of-runs speculative tok/s over best-of-runs plain tok/s (the least
-disturbed run of each); the min-max of the per-repetition paired ratios shows the spread.
+Speeds are decode tok/s from tinyllm.generate's own stats (every token after the first, so the draft's prefill
+counts). Each repetition runs plain, config 1, plain, config 2, ..., plain; a speculative run's paired ratio is its
+tok/s over the mean of the two plain runs beside it, and the speedup is the median paired ratio over the
+repetitions (the machine is shared and its memory bandwidth drifts, so runs minutes apart are not compared; see
+`measure`). The min-max of the paired ratios and the best-of-runs ratio show the spread.
 "expected" is Leviathan et al.'s (1 - alpha^(k+1)) / ((1 - alpha)(k*c + 1)) with alpha and c measured in the same
 run; "verify/plain" is the cost of one (k+1)-token target pass over one plain decode step, which the formula
 assumes is 1. `--write` puts the tables into the "speculative" section of benchmarks/RESULTS.md.
