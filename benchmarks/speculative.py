@@ -90,9 +90,9 @@ def measure(model, ids, n_new, drafts: dict, configs: list[tuple[str, int]], run
     return out
 
 
-def pass_costs(model, drafts: dict, ids, reps: int = 15) -> tuple[list[str], dict]:
+def pass_costs(model, drafts: dict, ids, reps: int = 15, verify_tokens=(2, 3, 4, 5, 8, 9)) -> tuple[list[str], dict]:
     """Best-of-reps time of one forward pass at the end of `ids`, as a fraction of one plain fp32 decode step:
-    the target over T = 1 .. 9 tokens (a verify pass is T = k+1) and each model draft over one token.
+    the target over T tokens for T in verify_tokens (a verify pass is T = k+1) and each model draft over one token.
     -> (table lines, {"step": ms, "verify": {k: ms}, "draft": {name: ms}})"""
     def best_ms(m, T):
         cache = m.new_cache(len(ids) + 16)
@@ -109,7 +109,7 @@ def pass_costs(model, drafts: dict, ids, reps: int = 15) -> tuple[list[str], dic
     lines = ["| pass | ms | / plain step | weights MiB |", "|---|---|---|---|",
              f"| target, 1 token (plain decode step) | {step:.1f} | 1.00 | {model.weight_bytes / 2**20:.0f} |"]
     verify = {}
-    for T in (2, 3, 4, 5, 8, 9):
+    for T in verify_tokens:
         verify[T - 1] = ms = best_ms(model, T)
         lines.append(f"| target, {T} tokens (verify, k = {T - 1}) | {ms:.1f} | {ms / step:.2f} | |")
     draft_ms = {}
@@ -120,16 +120,32 @@ def pass_costs(model, drafts: dict, ids, reps: int = 15) -> tuple[list[str], dic
     return lines, dict(step=step, verify=verify, draft=draft_ms)
 
 
-def bound_sentence(figures: dict) -> str:
-    """The speedup the pass times allow with alpha = 1: a round of k draft steps and one verify pass yields
-    k+1 tokens, and nothing else costs time."""
+def speedup_bound(figures: dict) -> tuple[str, int, dict]:
+    """The speedup the pass times allow with alpha = 1: a round of k draft steps (the cheapest self-draft's) and one
+    verify pass yields k+1 tokens, and nothing else costs time. -> (draft name, best k, {k: bound})"""
     step, verify, draft_ms = figures["step"], figures["verify"], figures["draft"]
     name = min((n for n in draft_ms if n.startswith("self-")), key=draft_ms.get)
     bound = {k: (k + 1) * step / (k * draft_ms[name] + ms) for k, ms in verify.items()}
-    k = max(bound, key=bound.get)
+    return name, max(bound, key=bound.get), bound
+
+
+def bound_sentence(figures: dict) -> str:
+    name, k, bound = speedup_bound(figures)
     return (f"From these pass times, with every draft accepted (alpha = 1) and nothing else in a round, the "
             f"cheapest self-draft ({name}) could reach at most {bound[k]:.2f}x (k = {k}; "
             + ", ".join(f"k = {j}: {b:.2f}x" for j, b in bound.items() if j != k) + ").")
+
+
+def phase_table(samples: list[tuple[float, dict]]) -> list[str]:
+    """The pass times sampled through the run (see main): does a verify pass speed up when plain decode does?"""
+    lines = ["| at s | plain step ms | 4-token pass ms (/ plain) | 5-token pass ms (/ plain) | self-q4 draft ms "
+             "(/ plain) | bound with alpha = 1 |", "|---|---|---|---|---|---|"]
+    for at, f in samples:
+        step, v, d = f["step"], f["verify"], f["draft"]["self-q4"]
+        _, k, bound = speedup_bound(f)
+        lines.append(f"| {at:.0f} | {step:.1f} | {v[3]:.1f} ({v[3] / step:.2f}) | {v[4]:.1f} ({v[4] / step:.2f}) | "
+                     f"{d:.1f} ({d / step:.2f}) | {bound[k]:.2f}x (k = {k}) |")
+    return lines
 
 
 HEADER = ("| task | draft | k | alpha | accepted lengths 0..k | tok / target pass | c | verify/plain | "
@@ -170,9 +186,18 @@ def main(argv=None) -> int:
     costs, pass_ms = pass_costs(model, drafts, prompts["chat"])
     bound = bound_sentence(pass_ms)
     print("\n".join(costs), bound, sep="\n", flush=True)
+    # the same passes, fewer repetitions, sampled before each block of measurements: the VM's memory bandwidth
+    # moves during a run, and these show which passes follow it
+    samples = [(time.time() - t_start, pass_ms)]
+
+    def sample_passes():
+        _, figures = pass_costs(model, {"self-q4": drafts["self-q4"]}, prompts["chat"], reps=5, verify_tokens=(4, 5))
+        samples.append((time.time() - t_start, figures))
+
     lines = []
     main_rows = {}
     for task, ids in prompts.items():
+        sample_passes()
         res = measure(model, ids, args.new_tokens, drafts, [(s, K_MAIN) for s in SOURCES], args.runs)
         for (src, k), r in res.items():
             main_rows[(task, src)] = r
@@ -181,6 +206,7 @@ def main(argv=None) -> int:
     best_self = max(SELF_DRAFTS, key=lambda s: main_rows[("chat", s)]["speedup"])
     sweep, sweep_rows = [], {}
     for task, src in (("chat", best_self), ("grounded", best_self), ("grounded", "ngram")):
+        sample_passes()
         res = measure(model, prompts[task], args.new_tokens, drafts, [(src, k) for k in K_SWEEP], args.runs)
         for (s, k), r in res.items():
             sweep_rows[(task, s, k)] = r
@@ -201,6 +227,12 @@ def main(argv=None) -> int:
                     + [r["speedup"] for (t, s, k), r in sweep_rows.items() if s in SELF_DRAFTS])
     ngram_best = max([main_rows[("grounded", "ngram")]["speedup"]]
                      + [r["speedup"] for (t, s, k), r in sweep_rows.items() if s == "ngram"])
+
+    def spread(values):
+        return f"{min(values):.1f}-{max(values):.1f} ms (max/min {max(values) / min(values):.2f})"
+    phase = (f"Across these samples the plain step took {spread([f['step'] for _, f in samples])}, the 5-token pass "
+             f"{spread([f['verify'][4] for _, f in samples])} and the self-q4 draft step "
+             f"{spread([f['draft']['self-q4'] for _, f in samples])}.")
 
     main_verify = float(np.median([r["verify_over_plain"] for r in main_rows.values()]))
     main_draft = float(np.median([r["stats"].cost_ratio * r["verify_over_plain"] for (t, s), r in main_rows.items()
@@ -242,6 +274,13 @@ def main(argv=None) -> int:
         "",
         HEADER, *sweep,
         "",
+        "### Pass times through the run (best of 5, sampled before each block of measurements; the first row is "
+        "the best-of-15 table above)",
+        "",
+        *phase_table(samples),
+        "",
+        phase,
+        "",
         "### Targets",
         "",
         f"- >= 2x with the best self-draft on an fp32 target: best measured {self_best:.2f}x: "
@@ -255,7 +294,9 @@ def main(argv=None) -> int:
         f"if decode were purely memory-bound. Here it costs {main_verify:.1f} plain steps at k = {K_MAIN} (median over "
         f"the first table; {pass_ms['verify'][K_MAIN] / pass_ms['step']:.2f} in the pass table, where the two are "
         f"timed back to back): the small-M fp32 kernel's time grows with the number of rows (see the sweep), so "
-        f"the pass is bound by arithmetic, not by reading the weights. A self-draft step costs c x verify/plain = "
+        f"the pass is not bound by reading the weights alone: its arithmetic does not hide behind the weight "
+        f"stream (compare, in the phase table, how the 5-token pass follows the plain step). A self-draft step "
+        f"costs c x verify/plain = "
         f"{main_draft:.2f} plain steps (median), not the ratio of bytes read (~0.25 for int8).",
         "",
         "Note: the fp32 weights are the dequantized Q4_1 file, so requantizing them to q4_1 (self-q4: 4-bit matrices "
