@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     print("\n".join(costs), bound, sep="\n", flush=True)
     # the same passes, fewer repetitions, sampled before each block of measurements: the VM's memory bandwidth
     # moves during a run, and these show which passes follow it
-    samples = [(time.time() - t_start, pass_ms)]
+    samples = []
 
     def sample_passes():
         _, figures = pass_costs(model, {"self-q4": drafts["self-q4"]}, prompts["chat"], reps=5, verify_tokens=(4, 5))
@@ -274,8 +274,7 @@ def main(argv=None) -> int:
         "",
         HEADER, *sweep,
         "",
-        "### Pass times through the run (best of 5, sampled before each block of measurements; the first row is "
-        "the best-of-15 table above)",
+        "### Pass times through the run (best of 5, sampled before each block of measurements)",
         "",
         *phase_table(samples),
         "",
