@@ -315,17 +315,18 @@ def linear_q4(packed, d, mins, x, out):
 #            them, so a pair costs one load, two masks and two vpdpbusd (`_q4_dot_codegen`). One block at a time,
 #            with the nibbles shuffled into x's order in every block, the model's q4 matrices took 0.7-0.85 ns
 #            per block on 2 threads with the weights in cache (bound by instructions, not memory); in pairs
-#            0.55-0.6. Over a decode step's 120 matrices read from memory, A/B in one process: one input row 2.67
-#            -2.94 ms against 2.77-2.94 (now bound by memory), two rows (a speculative draft catching up) 3.98-4.32
-#            against 4.81-5.13.
+#            0.55-0.6. Over a decode step's 120 matrices read from memory, A/B in one process: one input row
+#            2.67-2.94 ms against 2.77-2.94 (now bound by memory), two rows (a speculative draft catching up)
+#            3.98-4.32 against 4.81-5.13.
 # Numba cannot express vector instructions, so `_int8_dot_codegen` and `_q4_dot_codegen` write the loop over one
-# row's blocks in LLVM IR. It is used up to TILE_MIN_ROWS input rows (decode); from there the tiled float kernels above reuse each
-# weight for several rows and win, and they get the rounded x (xq * xs), so every path computes the same
-# products. Without VNNI (another CPU, or NUMBA_DISABLE_JIT=1 to step through) the float kernels run on the
-# rounded x.
-# Each pair of blocks also asks for the weight bytes PREFETCH_BYTES ahead (llvm.prefetch): rows are short (576 int8
-# or 288 packed 4-bit bytes), so the hardware prefetcher keeps restarting. Over a decode step's matrices, in the
-# same runs: q4_1 4.6-5.7 -> 4.0-5.1 ms, int8 within noise to 10% faster (1024 and 4096 bytes were no better).
+# row's blocks in LLVM IR. They are used up to TILE_MIN_ROWS input rows (decode); from there the tiled float
+# kernels above reuse each weight for several rows and win, and they get the rounded x (xq * xs), so every path
+# computes the same products. Without VNNI (another CPU, or NUMBA_DISABLE_JIT=1 to step through) the float kernels
+# run on the rounded x.
+# Every 64 weight bytes the loop also asks for the bytes PREFETCH_BYTES ahead (llvm.prefetch): rows are short (576
+# int8 or 288 packed 4-bit bytes), so the hardware prefetcher keeps restarting. Over a decode step's matrices, in
+# the same runs: q4_1 4.6-5.7 -> 4.0-5.1 ms, int8 within noise to 10% faster (1024 and 4096 bytes were no better;
+# the paired q4 kernel again: 1024-8192 bytes all within noise).
 PREFETCH_BYTES = 2048
 HAVE_VNNI = (not config.DISABLE_JIT and not config.CPU_NAME       # (a portable build targets no host features)
              and {"avx512vnni", "avx512vl"} <= set(f[1:] for f in llvm.get_host_cpu_features().flatten().split(",")
