@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import tinyllm  # noqa: E402  (before numpy: it sets OpenBLAS's thread spin)
 import numpy as np  # noqa: E402
-from tinyllm.speculative import make_draft  # noqa: E402
+from tinyllm.speculative import ModelDraft, make_draft  # noqa: E402
 
 PASSAGE = ("The old bridge over the river was built of grey stone in the year the mill opened. Every morning the "
            "baker crossed it with a basket of warm bread, and every evening the children raced across it to watch "
@@ -38,6 +38,7 @@ TASKS = {
     "chat": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
 }
 SOURCES = ["self-q4", "self-int8", "layers:15", "ngram"]
+OWN_CACHE = "self-q4 (own cache)"   # the self-q4 draft with a KV cache of its own, as a separate draft model has
 SELF_DRAFTS = ("self-q4", "self-int8", "layers:15")
 # k = 3 for the main table (a verify pass of 4 rows); the sweep runs k = 1 .. 8 (from k = 7 the verify pass has
 # 8 rows and takes the tiled kernels).
@@ -57,12 +58,14 @@ def measure(model, ids, n_new, drafts: dict, configs: list[tuple[str, int]], run
     -> {(source, k): dict of figures and the fastest run's acceptance statistics}"""
     ratios = {c: [] for c in configs}
     spec_tps = {c: [] for c in configs}
+    ttft = {c: [] for c in configs + ["plain"]}
     plain_tps, plain_step, best = [], [], {}
 
     def plain_run():
         plain = run(model, ids, n_new)
         plain_tps.append(plain.stats.decode_tokens_per_s)
         plain_step.append(plain.stats.decode_s / len(plain.stats.itl_s))
+        ttft["plain"].append(plain.stats.ttft_s)
         return plain
 
     for _ in range(runs):
@@ -73,6 +76,7 @@ def measure(model, ids, n_new, drafts: dict, configs: list[tuple[str, int]], run
                 raise SystemExit(f"{src} k={k}: speculative output differs from plain greedy output")
             after = plain_run()
             spec_tps[(src, k)].append(res.stats.decode_tokens_per_s)
+            ttft[(src, k)].append(res.stats.ttft_s)
             neighbours = (before.stats.decode_tokens_per_s + after.stats.decode_tokens_per_s) / 2
             ratios[(src, k)].append(res.stats.decode_tokens_per_s / neighbours)
             if res.stats.decode_tokens_per_s >= max(spec_tps[(src, k)]):
@@ -86,7 +90,8 @@ def measure(model, ids, n_new, drafts: dict, configs: list[tuple[str, int]], run
                       plain_tps=max(plain_tps), plain_all=list(plain_tps), speedup=st.measured_speedup,
                       best_of_runs=max(spec_tps[c]) / max(plain_tps),
                       speedup_range=(min(ratios[c]), max(ratios[c])),
-                      verify_over_plain=(st.verify_s / st.target_steps) / min(plain_step))
+                      verify_over_plain=(st.verify_s / st.target_steps) / min(plain_step),
+                      ttft_ms=float(np.median(ttft[c])) * 1e3, plain_ttft_ms=float(np.median(ttft["plain"])) * 1e3)
     return out
 
 
@@ -179,11 +184,12 @@ def main(argv=None) -> int:
     tok = model.tokenizer
     prompts = {t: tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for t, p in TASKS.items()}
     drafts = {s: make_draft(model, s) for s in SOURCES}
-    for s in SOURCES:                                             # warm-up: compile / load each draft's kernels
+    drafts[OWN_CACHE] = ModelDraft(drafts["self-q4"].model, OWN_CACHE, shares_cache=False)
+    for s in SOURCES + [OWN_CACHE]:                               # warm-up: compile / load each draft's kernels
         run(model, prompts["chat"], 4, drafts[s], 2)
     run(model, prompts["chat"], 4)
 
-    costs, pass_ms = pass_costs(model, drafts, prompts["chat"])
+    costs, pass_ms = pass_costs(model, {s: drafts[s] for s in SOURCES}, prompts["chat"])
     bound = bound_sentence(pass_ms)
     print("\n".join(costs), bound, sep="\n", flush=True)
     # the same passes, fewer repetitions, sampled before each block of measurements: the VM's memory bandwidth
@@ -198,12 +204,19 @@ def main(argv=None) -> int:
     main_rows = {}
     for task, ids in prompts.items():
         sample_passes()
-        res = measure(model, ids, args.new_tokens, drafts, [(s, K_MAIN) for s in SOURCES], args.runs)
+        res = measure(model, ids, args.new_tokens, drafts, [(s, K_MAIN) for s in SOURCES + [OWN_CACHE]], args.runs)
         for (src, k), r in res.items():
             main_rows[(task, src)] = r
             lines.append(row(task, src, k, r))
             print(lines[-1], flush=True)
     best_self = max(SELF_DRAFTS, key=lambda s: main_rows[("chat", s)]["speedup"])
+    chat = {s: r for (t, s), r in main_rows.items() if t == "chat"}
+    ttft_line = (f"Time to first token on the chat prompt ({len(prompts['chat'])} tokens), median of the runs: plain "
+                 f"{next(iter(chat.values()))['plain_ttft_ms']:.0f} ms, "
+                 + ", ".join(f"{s} {r['ttft_ms']:.0f} ms" for s, r in chat.items())
+                 + f". The self-drafts share the target's KV cache, so they prefill nothing of their own; "
+                 f"{OWN_CACHE} first prefills its own cache with the prompt.")
+    print(ttft_line, flush=True)
     sweep, sweep_rows = [], {}
     for task, src in (("chat", best_self), ("grounded", best_self), ("grounded", "ngram")):
         sample_passes()
@@ -269,6 +282,8 @@ def main(argv=None) -> int:
         f"### Per draft source, k = {K_MAIN}",
         "",
         HEADER, *lines,
+        "",
+        ttft_line,
         "",
         f"### Sweep of k: {best_self} (the best self-draft on chat) on both tasks, n-gram on the grounded task",
         "",

@@ -253,6 +253,23 @@ def test_draft_builders_share_or_shrink_the_target(tiny_pair):
     assert isinstance(i8.lm_head, Int8Channel) and isinstance(i8.layers[0].wo, Int8Channel)
 
 
+def test_self_drafts_share_the_target_cache(tiny_pair):
+    """A self-draft drafts in the target's own KV cache (nothing to prefill, nothing to catch up); another
+    checkpoint keeps its own cache. Both give the plain greedy tokens."""
+    target, draft_path = tiny_pair
+    prompt = target.tokenizer.encode("hello hello hell")
+    plain = speculative_generate(target, prompt, "ngram", num_draft=1, max_new_tokens=12).token_ids
+    for spec, shared in (("self-q4", True), ("self-int8", True), ("layers:1", True), (f"draft={draft_path}", False)):
+        draft = make_draft(target, spec)
+        assert draft.shares_cache is shared
+        r = speculative_generate(target, prompt, draft, num_draft=3, max_new_tokens=12)
+        assert r.token_ids == plain, spec
+        assert (draft.cache is r.cache) is shared
+        if not shared:                                   # its own cache: prefilled, then kept up with seq
+            assert len(prompt) - 1 <= draft.cache.length <= r.cache.length
+        assert r.cache.length == len(prompt) + len(plain) - 1
+
+
 @pytest.mark.slow
 def test_self_q4_draft_is_the_files_own_quantization(default_model, default_model_path):
     """The fp32 target is dequantized from the file's Q4_1 matrices and Q8_0 embedding; the self-q4 draft

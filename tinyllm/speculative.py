@@ -10,7 +10,8 @@ Greedy output is the target's own greedy output, token for token.
 Draft sources: another checkpoint with the same tokenizer ("draft=PATH"), the target quantized ("self-int8";
 "self-q4": 4-bit matrices, 8-bit head), the target's first N layers plus its output head ("layers:N", early
 exit), and n-gram prompt lookup ("ngram": no model, propose what followed the last occurrence of the current
-n-gram).
+n-gram). The self-drafts (the target quantized or cut short) share the target's KV cache; another checkpoint
+keeps its own.
 Left out: tree drafts with several candidates per position (SpecInfer, Medusa), speculation across a batch,
 adaptive k. Only `cache.truncate` is needed for rollback, so any cache with that contract works.
 
@@ -165,26 +166,35 @@ def _pick(logits: np.ndarray, params: SamplingParams, rng, history) -> tuple[int
 
 
 class ModelDraft:
-    """A draft that is a transformer with its own KV cache (another checkpoint, a quantized or truncated copy)."""
+    """A draft that is a transformer. A copy of the target (quantized, or its first layers: the self-drafts) has
+    the target's cache geometry and shares its KV cache (`shares_cache`, as LayerSkip's and QSpec's self-drafts do):
+    no second cache, no prefill of the prompt before the first token, no catch-up. Another checkpoint keeps a
+    cache of its own."""
 
     point_mass = False
 
-    def __init__(self, model, name: str):
-        self.model, self.name, self.cache = model, name, None
+    def __init__(self, model, name: str, shares_cache: bool = False):
+        self.model, self.name, self.shares_cache, self.cache = model, name, shares_cache, None
 
-    def start(self, seq: list[int], max_seq_len: int) -> None:
-        """Prefill the draft's cache with everything but the last committed token (the target's invariant too)."""
+    def start(self, seq: list[int], max_seq_len: int, target_cache) -> None:
+        """Before the first round, when the target's cache holds seq[0 .. n-2] (the prompt). A shared cache is
+        ready as it is; an own cache is prefilled with the same positions."""
+        if self.shares_cache:
+            self.cache = target_cache
+            return
         self.cache = self.model.new_cache(min(max_seq_len, self.model.config.context_length))
         if len(seq) > 1:
             self.model.prefill(seq[:-1], self.cache)
 
     def propose(self, seq: list[int], k: int, params: SamplingParams, rng) -> tuple[list[int], np.ndarray | None]:
         """Up to k tokens continuing `seq`, and their distributions q ([k, V], None when greedy)."""
-        k = min(k, self.cache.max_seq_len - len(seq) + 1)   # it feeds positions up to n+k-2 (see speculative_tokens)
+        if not self.shares_cache:        # it feeds positions up to n+k-2 (see speculative_tokens)
+            k = min(k, self.cache.max_seq_len - len(seq) + 1)
         if k <= 0:
             return [], None
-        # The cache holds a prefix of seq. Feed what it lacks: usually only seq[-1], the token the target added
-        # last round; two tokens after a round that accepted all k (d_k was drafted but never fed, then the bonus).
+        # The cache holds a prefix of seq. Feed what it lacks: seq[-1], the token the target added last round; an
+        # own cache lacks two tokens after a round that accepted all k (d_k was drafted but never fed, then the
+        # bonus).
         logits = self.model.forward(seq[self.cache.length:], self.cache, last_only=True)[0]   # [V]
         tokens, qs = [], []
         for i in range(k):
@@ -193,11 +203,14 @@ class ModelDraft:
             qs.append(q)
             if i < k - 1:                       # the last drafted token is never fed: nothing would read its logits
                 logits = self.model.decode_step(x, self.cache)                              # [V]
+        if self.shares_cache:                   # hand the target its cache back as it was: seq[0 .. n-2]; its
+            self.cache.truncate(len(seq) - 1)   # pass recomputes positions n-1 .. exactly
         return tokens, (None if params.greedy else np.stack(qs))                            # [k, V]
 
     def rollback(self, n_valid: int) -> None:
         """Keep the first n_valid positions (those that agree with the committed sequence)."""
-        self.cache.truncate(min(self.cache.length, n_valid))
+        if not self.shares_cache:               # a shared cache is the target's, cut by the caller
+            self.cache.truncate(min(self.cache.length, n_valid))
 
 
 class NgramDraft:
@@ -213,7 +226,7 @@ class NgramDraft:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.name, self.max_n, self.min_n = "ngram", max_n, min_n
 
-    def start(self, seq: list[int], max_seq_len: int) -> None:
+    def start(self, seq: list[int], max_seq_len: int, target_cache) -> None:
         pass                                 # no state: every proposal is a fresh search of seq
 
     def propose(self, seq: list[int], k: int, params: SamplingParams, rng) -> tuple[list[int], None]:
@@ -278,13 +291,13 @@ def make_draft(target, spec) -> ModelDraft | NgramDraft:
     if spec == "ngram":
         return NgramDraft()
     if spec in ("self-int8", "self-q4"):
-        return ModelDraft(quantized_copy(target, "int8" if spec == "self-int8" else "q4_1"), spec)
+        return ModelDraft(quantized_copy(target, "int8" if spec == "self-int8" else "q4_1"), spec, shares_cache=True)
     if spec.startswith("layers:"):
         try:
             n = int(spec.split(":", 1)[1])
         except ValueError:
             raise ValueError(f"bad draft spec {spec!r}: layers:N needs an integer N") from None
-        return ModelDraft(early_exit(target, n), spec)
+        return ModelDraft(early_exit(target, n), spec, shares_cache=True)
     if spec.startswith("draft="):
         from . import load
         draft = load(spec.split("=", 1)[1], backend=target.backend)
@@ -316,9 +329,12 @@ def speculative_tokens(target, draft, prompt_ids: Sequence[int], cache, logits: 
     """Yield generated token ids, a round of up to num_draft+1 at a time. The caller has prefilled `cache`
     with the prompt (`logits`: [V], the last prompt position's) and stops iterating when it has enough.
 
-    Position bookkeeping. seq holds the n committed tokens. Invariant at the top of each round: both caches
-    hold K/V for seq[0 .. n-2]; the last token seq[n-1] was sampled but no model has seen it yet.
-      draft:   feeds seq[n-1], d1 .. d(k-1) (positions n-1 .. n+k-2) and proposes d1 .. dk;
+    Position bookkeeping. seq holds the n committed tokens. Invariant at the top of each round: the target's
+    cache (and a draft's own cache) holds K/V for seq[0 .. n-2]; the last token seq[n-1] was sampled but no
+    model has seen it yet.
+      draft:   feeds seq[n-1], d1 .. d(k-1) (positions n-1 .. n+k-2) and proposes d1 .. dk. A self-draft
+               does this in the target's cache and then cuts it back to n-1 positions: what it wrote there was
+               its own approximation of the target's K/V, and the target's pass writes the real ones.
       target:  one pass over [seq[n-1], d1, .., dk] at positions n-1 .. n+k-1 -> k+1 rows of logits;
                row i is the target's distribution for the token at position n+i: row 0 checks d1, row k-1
                checks dk, row k gives the bonus token. Its cache now holds n+k positions.
@@ -326,19 +342,19 @@ def speculative_tokens(target, draft, prompt_ids: Sequence[int], cache, logits: 
                seq becomes seq + d1..da + t, n' = n + a + 1 tokens.
       rollback: the target's positions 0 .. n+a-1 hold seq'[0 .. n'-2] (the last prompt/committed token and
                the a accepted drafts); position n+a held d(a+1) (rejected) or nothing (a = k): truncate to
-               n + a = n' - 1, and the invariant holds again. The draft holds n+k-1 positions: truncate to
-               n + a if a < k; if a == k it holds only n+k-1 = n'-2 and catches up next round by feeding
-               dk and t together.
-    Example: a 10-token prompt and the first sampled token give n = 11; both caches hold positions 0 .. 9.
+               n + a = n' - 1, and the invariant holds again. A draft with its own cache holds n+k-1
+               positions: truncate to n + a if a < k; if a == k it holds only n+k-1 = n'-2 and catches up
+               next round by feeding dk and t together.
+    Example: a 10-token prompt and the first sampled token give n = 11; the caches hold positions 0 .. 9.
     With k = 4 the draft fills positions 10 .. 13 (it feeds seq[10], d1, d2, d3), the target 10 .. 14. If a = 2,
-    seq gets d1, d2, t (n' = 14) and both caches are cut to 13 positions: 0 .. 12 = prompt, seq[10], d1, d2.
+    seq gets d1, d2, t (n' = 14) and the caches are cut to 13 positions: 0 .. 12 = prompt, seq[10], d1, d2.
     """
     seq = list(prompt_ids)
     first = sample(logits, params, rng, seq)         # the first token comes from the prefill, as in plain decode
     seq.append(first)
     ctx = target.config.context_length
     t0 = time.perf_counter()                         # the draft's prefill belongs to the prefill phase (TTFT),
-    draft.start(seq, min(ctx, len(prompt_ids) + max_new_tokens))     # as in vLLM: done before the first token
+    draft.start(seq, min(ctx, len(prompt_ids) + max_new_tokens), cache)   # as in vLLM: before the first token
     stats.draft_prefill_s += time.perf_counter() - t0
     yield first
     budget = max_new_tokens - 1                      # tokens still wanted after the first
