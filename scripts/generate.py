@@ -65,11 +65,17 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         model = tinyllm.load(args.model, quant=args.quant, backend=args.backend, activations=args.activations)
         load_s = time.perf_counter() - t0
+        draft, draft_s = args.speculative, 0.0
+        if draft is not None:            # build the draft now (a self-draft quantizes and compiles for seconds)
+            from tinyllm.speculative import make_draft
+            t0 = time.perf_counter()
+            draft = make_draft(model, draft)
+            draft_s = time.perf_counter() - t0
         chat = not args.raw and model.tokenizer.chat_template is not None
         kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                       top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                       seed=args.seed, stop=args.stop, chat=chat, kv=args.kv, kv_memory=args.kv_memory,
-                      speculative=args.speculative, num_draft=args.num_draft)
+                      speculative=draft, num_draft=args.num_draft)
         if args.json:
             res = tinyllm.generate(model, args.prompt, **kwargs)
         else:
@@ -86,13 +92,17 @@ def main(argv=None) -> int:
         print("\ninterrupted", file=sys.stderr)
         return 130
     if args.json:
-        print(json.dumps({"prompt_ids": res.prompt_ids, "token_ids": res.token_ids, "text": res.text,
-                          "finish_reason": res.finish_reason, "load_s": load_s, "jit_s": model.jit_s,
-                          "quant": model.quant, "activations": model.activations, "weight_bytes": model.weight_bytes,
-                          "stats": res.stats.as_dict()}))
+        out = {"prompt_ids": res.prompt_ids, "token_ids": res.token_ids, "text": res.text,
+               "finish_reason": res.finish_reason, "load_s": load_s, "jit_s": model.jit_s,
+               "quant": model.quant, "activations": model.activations, "weight_bytes": model.weight_bytes,
+               "stats": res.stats.as_dict()}
+        if draft is not None:
+            out["draft_build_s"] = draft_s
+        print(json.dumps(out))
     else:
         acts = ", int8 activations" if model.activations == "int8" else ""
-        print(f"[{res.finish_reason}] load {load_s:.1f} s (JIT {model.jit_s:.1f} s) | {model.quant} "
+        built = f", draft built in {draft_s:.1f} s" if draft is not None else ""
+        print(f"[{res.finish_reason}] load {load_s:.1f} s (JIT {model.jit_s:.1f} s{built}) | {model.quant} "
               f"{model.weight_bytes / 2**20:.0f} MiB{acts} | {res.stats.summary()}", file=sys.stderr)
     return 0
 

@@ -196,6 +196,36 @@ def test_warmup_leaves_nothing_to_compile_mid_request():
     assert r.returncode == 0, r.stderr[-3000:]
 
 
+DRAFT_WARMUP_CHECK = """
+from numba.core.registry import CPUDispatcher
+from test_model import random_model
+from tinyllm import kernels
+from tinyllm.speculative import make_draft, speculative_generate
+
+def signatures():
+    return {(name, sig) for name, f in vars(kernels).items() if isinstance(f, CPUDispatcher) for sig in f.signatures}
+
+model = random_model("llama", context_length=64, dim=64, ffn_dim=64)        # fp32: warms the fp32 kernels only
+drafts = [make_draft(model, spec) for spec in ("self-q4", "self-int8")]     # each warms its own formats
+before = signatures()
+for draft in drafts:
+    speculative_generate(model, [1, 2, 3, 4, 5], draft, num_draft=3, max_new_tokens=12)
+new = signatures() - before
+assert not new, new
+"""
+
+
+def test_self_drafts_compile_when_built_not_mid_request():
+    """A self-draft's weight formats (4-bit or int8 matrices, an 8-bit head, int8 activations) are compiled when
+    make_draft builds it: a first speculative generation compiles nothing. In a fresh process, as above."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    r = subprocess.run([sys.executable, "-c", DRAFT_WARMUP_CHECK], cwd=Path(__file__).parent, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 NO_VNNI_CHECK = """
 import numpy as np
 from tinyllm import kernels

@@ -330,5 +330,6 @@ def test_cli_speculative(tiny_pair, tmp_path):
     out = json.loads(r.stdout)
     assert out["token_ids"] == plain["token_ids"]
     assert out["stats"]["speculative"]["source"] == "self-int8" and out["stats"]["speculative"]["drafted"] > 0
+    assert "draft_build_s" in out and "draft_build_s" not in plain    # the draft is built before generating
     bad = subprocess.run(base + ["--speculative", "layers:x"], capture_output=True, timeout=300)
     assert bad.returncode == 2 and b"layers:N" in bad.stderr

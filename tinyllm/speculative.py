@@ -280,6 +280,7 @@ def quantized_copy(target, fmt: str, activations: str = "int8"):
     draft.lm_head = draft.tok_embed if target.tied_head else q(target.lm_head, head_fmt)
     draft.quant = fmt
     draft.activations = activations
+    draft.backend = target.backend       # compiles the draft's kernels now (its formats), not in its first step
     return draft
 
 
