@@ -295,10 +295,11 @@ N_NEW = 8   # short: with k = 8 a single round can cover the whole generation; l
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("source", ["ngram", "self-int8", "self-q4", "layers:10"])
-def test_greedy_speculative_equals_plain_greedy_on_default_model(default_model, source):
+@pytest.mark.parametrize("source", ["ngram", "self-int8", "self-q4", "layers:10", "draft=PATH"])
+def test_greedy_speculative_equals_plain_greedy_on_default_model(default_model, default_model_path, source):
     m = default_model
-    draft = make_draft(m, source)
+    # draft=PATH: another checkpoint with this tokenizer; the only one here is the file itself (a cache of its own)
+    draft = make_draft(m, f"draft={default_model_path}" if source == "draft=PATH" else source)
     for prompt in PROMPTS:
         ids = m.tokenizer.encode(prompt)
         cache = m.new_cache(len(ids) + N_NEW)
