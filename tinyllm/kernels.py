@@ -375,9 +375,8 @@ def round_rows(x):
 
 if HAVE_VNNI:
     _i8, _i32, _f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
-    _V32i8, _V16i8, _V8i32, _V4i32, _V8f32 = (ir.VectorType(_i8, 32), ir.VectorType(_i8, 16), ir.VectorType(_i32, 8),
-                                              ir.VectorType(_i32, 4), ir.VectorType(_f32, 8))
-    _V2f32 = ir.VectorType(_f32, 2)
+    _V32i8, _V8i32, _V4i32 = ir.VectorType(_i8, 32), ir.VectorType(_i32, 8), ir.VectorType(_i32, 4)
+    _V2f32, _V8f32 = ir.VectorType(_f32, 2), ir.VectorType(_f32, 8)
 
     def _llvm_call(builder, name, ret, *args):
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
