@@ -23,9 +23,11 @@ import sys
 import time
 from pathlib import Path
 
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "1")   # before numpy loads OpenBLAS: idle threads sleep (threads.py)
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import tinyllm  # noqa: E402  (first: it tunes OpenBLAS's thread spin before numpy loads it)
+import tinyllm  # noqa: E402
 import numpy as np  # noqa: E402
 
 from report import machine_info, machine_line, replace_section  # noqa: E402

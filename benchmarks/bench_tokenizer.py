@@ -106,7 +106,7 @@ def main() -> None:
     from tinyllm import hub
 
     model = Path(args.model) if args.model else hub.ensure_default_model()
-    ours = Tokenizer.from_gguf_metadata(GGUFFile.open(model).metadata)
+    ours = Tokenizer.from_gguf_metadata(GGUFFile(model).metadata)
     theirs = reference.reference_tokenizer(model)
     print(f"machine: {cpu_model()}, {os.cpu_count()} cores; Python {platform.python_version()}; "
           f"tokenizers {tokenizers.__version__}; RAYON_NUM_THREADS={os.environ['RAYON_NUM_THREADS']}, "

@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "1")   # before numpy loads OpenBLAS: idle threads sleep (threads.py)
+
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent

@@ -10,11 +10,15 @@ activations (weight-only) and with int8 activations (+a8).
 """
 from __future__ import annotations
 
+import os
+
 import argparse
 import json
 import sys
 import time
 from pathlib import Path
+
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "1")   # before numpy loads OpenBLAS: idle threads sleep (threads.py)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 

@@ -22,9 +22,11 @@ import os
 import sys
 import time
 
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "1")   # before numpy loads OpenBLAS: idle threads sleep (threads.py)
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import tinyllm  # noqa: E402  (before numpy: it sets OpenBLAS's thread spin)
+import tinyllm  # noqa: E402
 import numpy as np  # noqa: E402
 from tinyllm.speculative import ModelDraft, make_draft  # noqa: E402
 

@@ -28,13 +28,11 @@ def test_linear_numba(benchmark, fmt, shape_name, M):
     """+a8: the weight multiplies int8-rounded inputs (activations="int8"): the integer VNNI kernels below 8 rows."""
     base, _, a8 = fmt.partition("+")
     w = weight(base, SHAPES[shape_name])
-    if a8:
-        w.int8_inputs = True
     x = RNG.normal(size=(M, w.shape[1])).astype(np.float32)
-    kernels.linear(x, w)
+    kernels.linear(x, w, int8_inputs=bool(a8))
     nbytes = w.nbytes
     benchmark.extra_info.update(bytes=nbytes, format=fmt, M=M, vnni=bool(a8) and kernels.HAVE_VNNI and M < 8)
-    benchmark(kernels.linear, x, w)
+    benchmark(kernels.linear, x, w, int8_inputs=bool(a8))
     if benchmark.stats:                                               # None with --benchmark-disable
         benchmark.extra_info["GB/s"] = nbytes / benchmark.stats.stats.median / 1e9
 
@@ -44,7 +42,8 @@ def test_linear_numba(benchmark, fmt, shape_name, M):
 def test_quantize_activations(benchmark, impl, I):
     """Rounding one token's activations to int8 blocks: the extra step of every linear with int8 inputs."""
     x = RNG.normal(size=(1, I)).astype(np.float32)
-    fn = kernels.quantize_rows if impl == "numba" else quant.quantize_activations
+    from tinyllm.kernels.linear_kernels import quantize_rows
+    fn = quantize_rows if impl == "numba" else quant.quantize_activations
     fn(x)
     benchmark(fn, x)
 
@@ -105,14 +104,13 @@ def test_causal_attention(benchmark, impl):
 @pytest.mark.parametrize("impl", ["numba", "numpy"])
 def test_paged_decode_attention(benchmark, impl):
     """32 sequences x 257 positions in blocks of 16, scattered over the pool: one batched decode step's layer."""
-    from tinyllm import paged
     B, S, BS = 32, 257, 16
     nb = -(-S // BS)
     blocks = RNG.normal(size=(B * nb, BS, 3, 64)).astype(np.float32)
     tables = RNG.permutation(B * nb).astype(np.int32).reshape(B, nb)
     lens = np.full(B, S, np.int32)
     q = RNG.normal(size=(B, 9, 64)).astype(np.float32)
-    fn = paged.paged_decode_attention if impl == "numba" else paged.paged_decode_attention_numpy
+    fn = kernels.paged_attention if impl == "numba" else ops.paged_attention
     fn(q, blocks, blocks, tables, lens)
     benchmark.extra_info["bytes"] = 2 * B * S * 3 * 64 * 4
     benchmark(fn, q, blocks, blocks, tables, lens)

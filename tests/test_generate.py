@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import tinyllm
-from tinyllm.generate import _held_back
+from tinyllm.generate import StopStrings
 
 from tiny_gguf import tiny_llama
 
@@ -68,10 +68,13 @@ def test_prompt_errors(tiny):
         tinyllm.generate(tiny, "bad \udcff bytes", max_new_tokens=1)
 
 
-def test_held_back_suffix():
-    assert _held_back("the end is ne", ["near"]) == 2
-    assert _held_back("abc", ["xyz"]) == 0
-    assert _held_back("a <|im", ["<|im_end|>", "|"]) == 4   # "<|im" could still become "<|im_end|>"
+def test_stop_strings_cut_and_hold_back():
+    assert StopStrings(["near"]).safe_length("the end is ne") == len("the end is ne") - 2
+    assert StopStrings(["xyz"]).safe_length("abc") == 3
+    assert StopStrings(["b", "ab"]).find("xxab") == 2
+    with pytest.raises(ValueError, match="non-empty"):
+        StopStrings([""])
+    assert StopStrings(["<|im_end|>", "|"]).safe_length("a <|im") == 2   # "<|im" could still become "<|im_end|>"
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ import pytest
 
 import tinyllm
 from tinyllm import kernels, ops, quant
+from tinyllm.kernels import intdot, linear_kernels as lin
 
 RNG = np.random.default_rng(0)
 
@@ -31,11 +32,9 @@ def test_linear_with_int8_inputs_matches_numpy(fmt, M, O, I):
     x = RNG.normal(0, 1, (M, I)).astype(np.float32)
     x[:, :3] *= 20                                                    # an outlier block, as real activations have
     qw = quant.quantize(w, fmt)
-    qw.int8_inputs = True
-    want = ops.linear(x, qw)
-    np.testing.assert_allclose(kernels.linear(x, qw), want, atol=2e-5 * np.sqrt(I), rtol=1e-5)
-    qw.int8_inputs = False                                            # and the flag is what decides
-    assert np.abs(ops.linear(x, qw) - want).max() > 1e-4
+    want = ops.linear(x, qw, int8_inputs=True)
+    np.testing.assert_allclose(kernels.linear(x, qw, int8_inputs=True), want, atol=2e-5 * np.sqrt(I), rtol=1e-5)
+    assert np.abs(ops.linear(x, qw) - want).max() > 1e-4              # and the setting is what decides
 
 
 @pytest.mark.parametrize("I", [1, 31, 32, 33, 100, 576])
@@ -43,34 +42,109 @@ def test_quantize_rows_rounds_exactly_as_numpy(I):
     x = RNG.normal(0, 1, (3, I)).astype(np.float32)
     x[1] = 0.0                                                        # all-zero blocks: scale 1, zeros
     x[2, : min(I, 32)] = np.arange(min(I, 32)) * 0.5                  # exact halves: ties round to even
-    xq, xabs, xs = kernels.quantize_rows(x)
+    xq, xabs, xs = lin.quantize_rows(x)
     want_q, want_s = quant.quantize_activations(x)
     np.testing.assert_array_equal(xq, want_q)
     np.testing.assert_array_equal(xs, want_s)
     np.testing.assert_array_equal(xabs, np.abs(want_q))
-    np.testing.assert_array_equal(kernels.round_rows(x), quant.round_activations(x))
+    np.testing.assert_array_equal(lin.round_rows(x), quant.round_activations(x))
+
+
+@pytest.mark.parametrize("vnni", [pytest.param(True, marks=pytest.mark.skipif(
+    not kernels.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI")), False])
+@pytest.mark.parametrize("fmt", list(quant.FORMATS))
+@pytest.mark.parametrize("I", [320, 352])                             # an even and an odd number of blocks
+def test_integer_kernels_match_the_float_kernels_on_rounded_inputs(fmt, I, vnni):
+    """The two implementations of int8 inputs agree: integer dot products (VNNI, or their plain reference bodies:
+    vnni=False, what a CPU without VNNI runs) and the float kernels given the rounded rows (the tiled path)."""
+    w = RNG.normal(0, 0.1, (67, I)).astype(np.float32)
+    x = RNG.normal(0, 1, (5, I)).astype(np.float32)
+    qw = quant.quantize(w, fmt)
+    got, want = np.empty((5, 67), np.float32), np.empty((5, 67), np.float32)
+    xr = lin.round_rows(x)
+    integer, floats = (lin.linear_q4_a8, lin.linear_q4) if fmt == "q4_1" else (lin.linear_int8_a8, lin.linear_tiled)
+    integer(qw.arrays, x, got, vnni)
+    floats(qw.arrays, xr, want)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)
+
+
+def _dot_contract_inputs(fmt, rng):
+    """One weight matrix of format fmt and one input row, prepared as intdot.py's contract says."""
+    w = quant.quantize(rng.normal(0, 0.1, (9, 256)).astype(np.float32), fmt)
+    x = rng.normal(0, 1, (1, 256)).astype(np.float32)
+    x[0, :3] *= 30
+    xq, xabs, xs = lin.quantize_rows(x)
+    return w, xq, xabs, xs
 
 
 @pytest.mark.skipif(not kernels.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI")
 @pytest.mark.parametrize("fmt", list(quant.FORMATS))
-def test_integer_kernels_match_the_float_kernels_on_rounded_inputs(fmt):
-    """The two implementations of int8 inputs in kernels.py agree: integer dot products (vpdpbusd) and the
-    float kernels given the rounded rows (what a CPU without VNNI runs)."""
-    w = RNG.normal(0, 0.1, (67, 320)).astype(np.float32)
-    x = RNG.normal(0, 1, (5, 320)).astype(np.float32)
-    qw = quant.quantize(w, fmt)
-    got, want = np.empty((5, 67), np.float32), np.empty((5, 67), np.float32)
-    xr = kernels.round_rows(x)
-    if fmt == "int8":
-        kernels.linear_int8_channel_vnni(qw.q, qw.scale, x, got)
-        kernels.linear_int8_channel(qw.q, qw.scale, xr, want)
-    elif fmt == "int8-block":
-        kernels.linear_int8_block_vnni(qw.q, qw.scale, x, got)
-        kernels.linear_int8_block(qw.q, qw.scale, xr, want)
+def test_each_vnni_dot_equals_its_reference_body(fmt):
+    """intdot.py's contract, row by row: the LLVM-IR dot product and its plain-Numba reference body agree (they
+    add the same integer products; only the order of the float sums differs)."""
+    from numba import njit
+    w, xq, xabs, xs = _dot_contract_inputs(fmt, np.random.default_rng(5))
+
+    if fmt == "q4_1":
+        xpair, xs8, xsum8 = lin._pair_layout(xq, xs)
+        args = (w.d, w.m, xpair[0], xs8[0], xsum8[0])
+        fast, ref = intdot.dot_q4, intdot.dot_q4_reference
+    elif fmt == "int8":
+        args = (xq[0], xabs[0], xs[0])
+        fast, ref = intdot.dot_int8, intdot.dot_int8_reference
     else:
-        kernels.linear_q4_vnni(qw.packed, qw.d, qw.m, x, got)
-        kernels.linear_q4(qw.packed, qw.d, qw.m, xr, want)
-    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)
+        args = (w.scale, xq[0], xabs[0], xs[0])
+        fast, ref = intdot.dot_int8_block, intdot.dot_int8_block_reference
+
+    def rows(f):                                                      # f on every row of the weight
+        @njit
+        def each(q, args):
+            out = np.empty(q.shape[0], np.float32)
+            for o in range(q.shape[0]):
+                out[o] = f(q, o, *args)
+            return out
+        return each(w.arrays[0], args)
+    got, want = rows(fast), rows(ref)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert fast is not ref
+
+
+def test_the_reference_dots_compute_what_the_contract_says():
+    """The reference bodies against the contract written out in numpy (intdot.py's docstring)."""
+    from numba import njit
+    rng = np.random.default_rng(6)
+    w, xq, xabs, xs = _dot_contract_inputs("int8-block", rng)
+    blocks = (w.q.astype(np.int64).reshape(9, 8, 32) * xq[0].astype(np.int64).reshape(8, 32)).sum(-1)   # [O, 8]
+    want = (blocks * xs[0] * w.scale).sum(-1)
+
+    @njit
+    def rows(q, ws, xq, xabs, xs):
+        return np.array([intdot.dot_int8_block_reference(q, o, ws, xq, xabs, xs) for o in range(q.shape[0])])
+    np.testing.assert_allclose(rows(w.q, w.scale, xq[0], xabs[0], xs[0]), want, rtol=1e-5)
+
+
+def test_no_vnni_switch_forces_the_reference_bodies_in_a_whole_model():
+    """TINYLLM_NO_VNNI=1 (intdot.USE_VNNI False): a quantized model with int8 activations runs the reference
+    bodies in the fused decode steps and agrees with its no-cache forward (the tiled kernels on rounded rows)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = """
+import numpy as np
+from tinyllm.kernels import intdot
+from test_model import random_model
+assert intdot.USE_VNNI is False
+for quant in ("int8", "int8-block", "q4_1"):
+    m = random_model("llama", dim=64, ffn_dim=64, quant=quant, activations="int8")
+    ids = np.random.default_rng(1).integers(0, 50, 12)
+    cache = m.new_cache(16)
+    got = np.stack([m.prefill(ids[:8], cache)] + [m.decode_step(int(t), cache) for t in ids[8:]])
+    np.testing.assert_allclose(got, m.logits(ids)[7:], atol=1e-4)
+"""
+    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True,
+                       timeout=600, env=dict(os.environ, TINYLLM_NO_VNNI="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
 
 
 @pytest.mark.parametrize("I", [1, 5, 45, 65])
@@ -79,9 +153,9 @@ def test_int8_channel_odd_width_not_multiple_of_block(I, int8_inputs):
     """Per-channel int8 works for any width; with int8 inputs the last, short block is added apart."""
     w = RNG.normal(0, 0.1, (9, I)).astype(np.float32)
     qw = quant.quantize_int8_channel(w)
-    qw.int8_inputs = int8_inputs
     x = RNG.normal(size=(2, I)).astype(np.float32)
-    np.testing.assert_allclose(kernels.linear(x, qw), ops.linear(x, qw), atol=1e-5)
+    np.testing.assert_allclose(kernels.linear(x, qw, int8_inputs=int8_inputs),
+                               ops.linear(x, qw, int8_inputs=int8_inputs), atol=1e-5)
 
 
 @pytest.mark.parametrize("S, H, KVH, Dh", [(1, 4, 4, 8), (5, 9, 3, 64), (37, 6, 2, 16), (300, 8, 1, 32)])
@@ -120,10 +194,12 @@ def test_exp32_matches_the_library_exponential():
     """The vectorisable exponential the kernels use: within 3e-7 relative over float32's range, clamped outside."""
     from numba import njit
 
+    from tinyllm.kernels.numerics import exp32
+
     @njit
     def apply(a, out):
         for i in range(a.size):
-            out[i] = kernels.exp32(a[i])
+            out[i] = exp32(a[i])
 
     x = np.concatenate([np.linspace(-87, 88, 100_001), RNG.normal(0, 3, 10_000)]).astype(np.float32)
     got = np.empty_like(x)
@@ -148,8 +224,14 @@ def test_small_ops_match_numpy(T):
 
 
 def test_backend_modules_offer_the_same_functions():
-    names = ["linear", "rmsnorm", "layernorm", "apply_rope", "attention", "swiglu", "gelu_tanh", "softmax"]
-    assert all(callable(getattr(kernels, n)) and callable(getattr(ops, n)) for n in names)
+    """A model's ops is ops.py or kernels/ (or, for a long pass, kernels/blas.py): the same names in each."""
+    from tinyllm.kernels import blas
+    names = ["linear", "rmsnorm", "layernorm", "apply_rope", "attention", "paged_attention", "swiglu", "gelu_tanh",
+             "softmax", "silu", "rope_tables"]
+    for module in (ops, kernels, blas):
+        assert all(callable(getattr(module, n)) for n in names), module.__name__
+        assert isinstance(module.FUSED_ROWS, int)
+    assert ops.for_rows(10_000) is ops and kernels.for_rows(1) is kernels and kernels.for_rows(10_000) is blas
 
 
 WARMUP_CHECK = """
@@ -157,9 +239,11 @@ import numpy as np
 from numba.core.registry import CPUDispatcher
 from test_model import random_model
 from tinyllm import kernels, paged
+from tinyllm.kernels import attention_kernels, block, dispatch, intdot, linear_kernels, numerics, pointwise
 
 def signatures():
-    return {(mod.__name__, name, sig) for mod in (kernels, paged) for name, f in vars(mod).items()
+    modules = (attention_kernels, block, dispatch, intdot, linear_kernels, numerics, pointwise)
+    return {(mod.__name__, name, sig) for mod in modules for name, f in vars(mod).items()
             if isinstance(f, CPUDispatcher) for sig in f.signatures}
 
 for quant in (None, "int8", "int8-block", "q4_1"):
@@ -199,11 +283,13 @@ def test_warmup_leaves_nothing_to_compile_mid_request():
 DRAFT_WARMUP_CHECK = """
 from numba.core.registry import CPUDispatcher
 from test_model import random_model
-from tinyllm import kernels
+from tinyllm.kernels import attention_kernels, block, dispatch, intdot, linear_kernels, numerics, pointwise
 from tinyllm.speculative import make_draft, speculative_generate
 
 def signatures():
-    return {(name, sig) for name, f in vars(kernels).items() if isinstance(f, CPUDispatcher) for sig in f.signatures}
+    modules = (attention_kernels, block, dispatch, intdot, linear_kernels, numerics, pointwise)
+    return {(mod.__name__, name, sig) for mod in modules for name, f in vars(mod).items()
+            if isinstance(f, CPUDispatcher) for sig in f.signatures}
 
 model = random_model("llama", context_length=64, dim=64, ffn_dim=64)        # fp32: warms the fp32 kernels only
 drafts = [make_draft(model, spec) for spec in ("self-q4", "self-int8")]     # each warms its own formats
@@ -253,6 +339,38 @@ def test_int8_activations_without_vnni(tmp_path):
     env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(tmp_path))
     r = subprocess.run([sys.executable, "-c", NO_VNNI_CHECK], cwd=Path(__file__).parent, capture_output=True,
                        text=True, timeout=900, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+DISABLE_JIT_CHECK = """
+import numpy as np
+from numba.core.registry import CPUDispatcher
+from tinyllm import kernels
+from tinyllm.kernels import linear_kernels
+from test_model import random_model
+assert not isinstance(linear_kernels.linear_rows, CPUDispatcher)   # plain Python functions
+for quant in (None, "int8", "int8-block", "q4_1"):
+    for activations in ("float32", "int8") if quant else ("float32",):
+        m = random_model("llama", dim=64, ffn_dim=64, n_layers=1, quant=quant, activations=activations)
+        ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+        cache = m.new_cache(16)
+        got = np.stack([m.prefill(ids[:8], cache)] + [m.decode_step(t, cache) for t in ids[8:]])
+        assert m.ops is kernels
+        m.backend = "numpy"
+        np.testing.assert_allclose(got, m.logits(ids)[7:], atol=1e-4 if activations == "float32" else 5e-2)
+"""
+
+
+def test_numba_disable_jit_runs_the_kernels_as_python():
+    """NUMBA_DISABLE_JIT=1 (to step into the kernels with a debugger): every kernel runs as plain Python and the
+    numba backend still agrees with numpy, for every format and both activations settings (with int8 activations
+    a rounding flip moves a value by a whole int8 step: the tolerance is wider)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    r = subprocess.run([sys.executable, "-c", DISABLE_JIT_CHECK], cwd=Path(__file__).parent, capture_output=True,
+                       text=True, timeout=600, env=dict(os.environ, NUMBA_DISABLE_JIT="1"))
     assert r.returncode == 0, r.stderr[-3000:]
 
 

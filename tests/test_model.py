@@ -201,13 +201,30 @@ def test_int8_activations_prefill_then_decode_matches_no_cache_forward(quant):
 
 def test_activations_setting():
     m = random_model("llama", dim=64, ffn_dim=64, quant="int8")
-    assert m.activations == "float32" and not any(w.int8_inputs for w in m._matrices())
+    ids = [1, 2, 3, 4]
+    weight_only = m.logits(ids)
+    assert m.activations == "float32"
     m.activations = "int8"
-    assert all(w.int8_inputs for w in m._matrices()) and "int8 activations" in repr(m)
+    assert "int8 activations" in repr(m)
+    assert np.abs(m.logits(ids) - weight_only).max() > 1e-5          # the setting reaches every linear
     with pytest.raises(ValueError, match="unknown activations 'int4'"):
         m.activations = "int4"
     with pytest.raises(ValueError, match="needs quantized weights"):
         random_model("llama", activations="int8")
+
+
+def test_activations_are_a_setting_of_the_model_not_of_shared_weights():
+    """An early-exit draft shares its target's LayerWeights; giving the draft int8 activations must leave the
+    target's logits as they were (a flag on the shared weights would change both)."""
+    from tinyllm.speculative import early_exit
+    target = random_model("llama", dim=64, ffn_dim=64, n_layers=3, quant="int8-block")
+    ids = [5, 6, 7, 8]
+    before = target.logits(ids)
+    draft = early_exit(target, 2)
+    assert draft.layers[0] is target.layers[0]
+    draft.activations = "int8"
+    np.testing.assert_array_equal(target.logits(ids), before)
+    assert target.activations == "float32" and draft.activations == "int8"
 
 
 @pytest.mark.parametrize("quant,activations", [(None, "float32"), ("int8", "float32"), ("int8", "int8"),
@@ -218,8 +235,6 @@ def test_fused_decode_equals_the_op_by_op_blocks(quant, activations, monkeypatch
     prompt, decode steps, and verification-sized passes (3 rows: the pair kernels; 9: the tiles; 16: the most)."""
     from tinyllm import kernels
     m = random_model("llama", dim=64, ffn_dim=64, quant=quant, activations=activations)
-    if quant:
-        m.layers[1].wo.int8_inputs = not m.layers[1].wo.int8_inputs     # flags are per matrix, not per model
     ids = np.random.default_rng(2).integers(0, 50, 40)
     chunks = [ids[:5], ids[5:6], ids[6:7], ids[7:10], ids[10:19], ids[19:35], ids[35:36]]
     logits, caches = {}, {}
@@ -236,9 +251,9 @@ def test_fused_decode_equals_the_op_by_op_blocks(quant, activations, monkeypatch
         raise AssertionError("the op-by-op path ran")
     monkeypatch.setattr(m, "_block", op_by_op)
     m.fused_decode = True
-    m.forward(ids[:kernels.FEW_TOKENS], m.new_cache(40))                # fused: never calls _block
+    m.forward(ids[:kernels.FUSED_ROWS], m.new_cache(40))                # fused: never calls _block
     with pytest.raises(AssertionError, match="op-by-op"):               # a longer prompt runs op by op
-        m.forward(ids[:kernels.FEW_TOKENS + 1], m.new_cache(40))
+        m.forward(ids[:kernels.FUSED_ROWS + 1], m.new_cache(40))
     m.fused_decode = False
     with pytest.raises(AssertionError, match="op-by-op"):
         m.decode_step(3, m.new_cache(4))
@@ -260,3 +275,36 @@ def test_a_pass_past_small_m_rows_keeps_attention_off_numba(monkeypatch):
         np.testing.assert_allclose(t[0], a, atol=1e-4)
     with pytest.raises(AssertionError, match="BLAS pass"):              # (the check can fail)
         m.prefill(prompts[0], m.new_cache(80))
+
+
+def test_the_package_layout_keeps_its_promises():
+    """model.py wires the math: it imports neither numba nor the paged cache; importing tinyllm loads no Numba
+    (only a numba-backend model does); no module imports another that imports it back; and importing the package
+    leaves the process environment as it was."""
+    import ast
+    import subprocess
+    import sys
+    from pathlib import Path
+    pkg = Path(__file__).resolve().parent.parent / "tinyllm"
+    imports = {}
+    for path in pkg.rglob("*.py"):
+        name = ".".join(path.relative_to(pkg.parent).with_suffix("").parts).removesuffix(".__init__")
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.col_offset == 0 and node.level:   # module-level, relative
+                package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+                package = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                if node.module:
+                    found.add(f"{package}.{node.module}")
+                else:                                                   # from . import a, b
+                    found.update(f"{package}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import) and node.col_offset == 0:
+                found.update(a.name for a in node.names)
+        imports[name] = found
+    assert not any(m.startswith(("numba", "tinyllm.paged", "tinyllm.kernels")) for m in imports["tinyllm.model"])
+    for a, deps in imports.items():                                     # no two modules import each other
+        for b in deps:
+            assert a not in imports.get(b, ()), f"{a} and {b} import each other"
+    code = "import os, sys; env = dict(os.environ); import tinyllm; assert 'numba' not in sys.modules; " \
+           "assert dict(os.environ) == env"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=pkg.parent)

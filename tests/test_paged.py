@@ -5,9 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tinyllm import ops
-from tinyllm.paged import (BlockAllocator, OutOfBlocks, PagedKVCache, paged_decode_attention,
-                           paged_decode_attention_numpy, parse_bytes)
+from tinyllm import kernels, ops
+from tinyllm.paged import BlockAllocator, OutOfBlocks, PagedKVCache, parse_bytes
 from test_model import random_model
 
 
@@ -189,8 +188,8 @@ def test_paged_decode_kernel_matches_numpy_twin_and_plain_attention():
     lens = np.array([1, 7, 13], dtype=np.int32)
     tables = np.array([[5, 0, 0, 0], [3, 9, 0, 0], [11, 2, 7, 1]], dtype=np.int32)
     q = rng.normal(size=(3, H, Dh)).astype(np.float32)            # [B, H, Dh]
-    fast = paged_decode_attention(q, kb, vb, tables, lens)
-    twin = paged_decode_attention_numpy(q, kb, vb, tables, lens)
+    fast = kernels.paged_attention(q, kb, vb, tables, lens)
+    twin = ops.paged_attention(q, kb, vb, tables, lens)
     np.testing.assert_allclose(fast, twin, atol=1e-5)
     for b in range(3):                                             # the twin against ops.attention on a gather
         pos = np.arange(lens[b])

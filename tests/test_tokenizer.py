@@ -76,7 +76,7 @@ def two_step_smollm_split(text: str) -> list[str]:
 # --- fixtures ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def metadata(default_model_path):
-    return GGUFFile.open(default_model_path).metadata
+    return GGUFFile(default_model_path).metadata
 
 
 @pytest.fixture(scope="module")

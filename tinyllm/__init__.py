@@ -6,18 +6,11 @@
     print(out.text, out.stats.summary())
 
 Read the code in the order a token travels: tokenizer.py -> model.py (ops.py, kv_cache.py) -> sampling.py
--> generate.py. Weights come from weights.py (gguf.py for GGUF files); hub.py fetches the default model.
+-> generate.py; kernels/ holds the compiled twins of ops.py. Weights come from weights.py (gguf.py for GGUF files); hub.py fetches the default model.
 """
 from __future__ import annotations
 
-import os
-
-# OpenBLAS worker threads busy-wait for a while after each call; with Numba's threads sharing the same cores
-# that spinning steals the cores from the next kernel (measured: batch-64 decode 1107 ms -> 392 ms per step
-# with a short spin). Read once when numpy loads OpenBLAS, so it only takes effect if tinyllm is imported first.
-os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "1")
-
-from pathlib import Path  # noqa: E402
+from pathlib import Path
 
 from .config import ModelConfig
 from .generate import GenerationResult, GenerationStats, generate, stream

@@ -1,11 +1,14 @@
 """ModelConfig: the handful of numbers that fix a transformer's shapes, and the sizes that follow from them.
 
-Dimension names used in shape comments across tinyllm:
-    T  tokens in this forward pass        S  positions in the KV cache (past + current)
+Dimension names used in shape comments across tinyllm (model, ops, kernels, caches):
+    T  tokens of one sequence in a pass   S  positions in the KV cache (past + current); S_max its capacity
+    N  rows of a pass (all its sequences) B  sequences in a batch
     D  model width (dim)                  F  feed-forward hidden width
     H  query heads                        KVH key/value heads (GQA: KVH divides H)
     G  query heads per KV head (H / KVH)  Dh head dim
     V  vocabulary size                    L  layers
+    P  positions with a RoPE angle        NB blocks in a paged pool; BS positions per block
+  and for a matrix multiply y = x W^T (kernels): M rows of x, I inputs (row length), O outputs (rows of W).
 """
 from __future__ import annotations
 
@@ -80,7 +83,3 @@ class ModelConfig:
             extra = 2 * D + self.context_length * D  # final norm (+bias) and learned positions
         head = 0 if self.tie_embeddings else self.vocab_size * D
         return self.vocab_size * D + L * (attn + mlp + norms) + extra + head
-
-    def weight_bytes(self, bytes_per_param: float = 4) -> int:
-        """Bytes of weights at a given width (4 = fp32, 1 = int8, ~0.6 = 4-bit with block scales)."""
-        return int(self.n_params * bytes_per_param)

@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from .generate import _held_back, end_token_ids
+from .generate import StopStrings, end_token_ids
 from .paged import OutOfBlocks, PagedKVCache, SequenceCache
 from .sampling import SamplingParams, sample
 
@@ -73,7 +73,7 @@ class Request:
     params: SamplingParams
     max_tokens: int
     stop_token_ids: frozenset
-    stop: tuple[str, ...]
+    stop: StopStrings
     metrics: RequestMetrics
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
@@ -299,10 +299,11 @@ class Engine:
             raise ValueError(f"prompt has token ids outside the vocabulary (0 .. {V - 1})")
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"invalid max_tokens={max_tokens!r}: must be an integer >= 1")
-        if stop and self.model.tokenizer is None:
+        stop = StopStrings(stop)                                  # validated: non-empty strings
+        if stop.strings and self.model.tokenizer is None:
             raise ValueError("stop strings need a model with a tokenizer")
         req = Request(request_id, prompt_ids, params or SamplingParams(), max_tokens,
-                      frozenset(self._ends if stop_token_ids is None else stop_token_ids), tuple(stop),
+                      frozenset(self._ends if stop_token_ids is None else stop_token_ids), stop,
                       RequestMetrics(self.clock() if arrival_time is None else arrival_time))
         capacity = self.pool.num_blocks * self.pool.block_size
         if req.max_positions > capacity:
@@ -370,14 +371,14 @@ class Engine:
             req.output_ids.append(token)
             if req.decoder is not None:
                 req.text += req.decoder.feed(token)
-                hit = min((i for i in (req.text.find(s) for s in req.stop) if i >= 0), default=-1)
+                hit = req.stop.find(req.text)
                 if hit >= 0:                                      # cut before the stop string
                     req.text, reason = req.text[:hit], "stop_string"
             if reason is None and len(req.output_ids) >= req.max_tokens:
                 reason = "length"
         if reason in ("eos", "length") and req.decoder is not None:
             req.text += req.decoder.flush()
-        safe = len(req.text) if reason else len(req.text) - _held_back(req.text, list(req.stop))
+        safe = len(req.text) if reason else req.stop.safe_length(req.text)
         piece, req.shown = req.text[req.shown:safe], max(req.shown, safe)
         if reason is not None:
             req.finish_reason, m.finished = reason, now

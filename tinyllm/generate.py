@@ -107,10 +107,7 @@ def stream(model, prompt, max_new_tokens: int = 256, temperature: float = 0.0, t
                             repetition_penalty=repetition_penalty, seed=seed)
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"invalid max_new_tokens={max_new_tokens!r}: must be an integer >= 1")
-    if isinstance(stop, str):
-        stop = [stop]
-    if any(not isinstance(s, str) or not s for s in stop):
-        raise ValueError("stop strings must be non-empty strings")
+    stops = StopStrings(stop)
     if speculative is not None:
         from .speculative import make_draft
         if not isinstance(num_draft, int) or isinstance(num_draft, bool) or num_draft < 1:
@@ -121,7 +118,7 @@ def stream(model, prompt, max_new_tokens: int = 256, temperature: float = 0.0, t
     if kv_memory is not None and kv != "paged":
         raise ValueError("kv_memory sizes the paged pool: use it with kv='paged'")
     holder: list = []
-    return Stream(_run(model, prompt, params, max_new_tokens, list(stop), chat, holder, speculative,
+    return Stream(_run(model, prompt, params, max_new_tokens, stops, chat, holder, speculative,
                        (kv, kv_memory)), holder)
 
 
@@ -176,15 +173,29 @@ def end_token_ids(tokenizer) -> set[int]:
     return ends
 
 
-def _held_back(text: str, stops: list[str]) -> int:
-    """How many trailing characters of `text` could still grow into a stop string (so must not be shown yet)."""
-    hold = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:n]):
-                hold = max(hold, n)
-                break
-    return hold
+class StopStrings:
+    """Stop strings, checked against a growing text: where to cut it, and how much of it may be shown yet."""
+
+    def __init__(self, stop: str | Sequence[str] = ()):
+        stop = [stop] if isinstance(stop, str) else list(stop)
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
+        self.strings = tuple(stop)
+
+    def find(self, text: str) -> int:
+        """Where the earliest stop string in `text` begins (the text is cut there), or -1."""
+        return min((i for i in (text.find(s) for s in self.strings) if i >= 0), default=-1)
+
+    def safe_length(self, text: str) -> int:
+        """How much of `text` can be shown: all but the trailing characters that could still grow into a stop
+        string."""
+        hold = 0
+        for s in self.strings:
+            for n in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        return len(text) - hold
 
 
 def _plain_tokens(model, ids: list[int], cache, logits, params: SamplingParams, rng) -> Iterator[int]:
@@ -197,7 +208,7 @@ def _plain_tokens(model, ids: list[int], cache, logits, params: SamplingParams, 
         logits = model.decode_step(next_id, cache)                       # [V]
 
 
-def _run(model, prompt, params: SamplingParams, max_new_tokens: int, stops: list[str], chat: bool,
+def _run(model, prompt, params: SamplingParams, max_new_tokens: int, stops: StopStrings, chat: bool,
          holder: list, speculative=None, kv=("contiguous", None)) -> Iterator[str]:
     t_start = time.perf_counter()
     tok = model.tokenizer
@@ -242,11 +253,11 @@ def _run(model, prompt, params: SamplingParams, max_new_tokens: int, stops: list
             break
         out_ids.append(next_id)
         text += decoder.feed(next_id)
-        hit = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+        hit = stops.find(text)
         if hit >= 0:                                                     # cut before the stop string
             text, finish = text[:hit], "stop_string"
             break
-        safe = len(text) - _held_back(text, stops)
+        safe = stops.safe_length(text)
         if safe > shown:
             yield text[shown:safe]
             shown = safe

@@ -176,10 +176,6 @@ class GGUFFile:
                 )
             self.tensors[name] = info
 
-    @classmethod
-    def open(cls, path: str | Path) -> "GGUFFile":
-        return cls(path)
-
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as a read-only uint8 view into the memory map (no copy)."""
         info = self._info(name)

@@ -7,12 +7,47 @@ Storage is preallocated once for `max_seq_len` positions: k and v are each [L, S
 token is 2 * L * KVH * Dh * 4 bytes in float32 (SmolLM2-135M: 2*30*3*64*4 = 46,080 bytes = 45 KiB).
 The contract (shared with the paged cache): `update` writes new positions and returns views of the whole
 history, `length` counts committed tokens, `truncate` rolls back (speculative decoding's rejected drafts).
+
+A forward pass over several sequences stacks their rows; each sequence is a `Segment` of that pass, and
+`attention_groups` says which segments attend together (paged.py's batched decode) and which alone.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 
 from .config import ModelConfig
+
+
+class Segment(NamedTuple):
+    """One sequence's part of a forward pass: its rows of the stacked activations [N, D], its cache (None: the
+    no-cache reference forward) and the position of its first row."""
+    rows: slice
+    cache: object
+    start: int
+
+    @property
+    def n_tokens(self) -> int:
+        return self.rows.stop - self.rows.start
+
+    def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, ops) -> np.ndarray:
+        """Store this pass's k, v ([T, KVH, Dh]) in the cache and attend q [T, H, Dh] to the whole history, with
+        `ops` (the numpy reference or the kernels). -> [T, H*Dh]"""
+        if self.cache is not None:
+            k, v = self.cache.update(layer, self.start, k, v)     # [S, KVH, Dh], S = start + T
+        return ops.attention(q, k, v, self.start)
+
+
+def attention_groups(segments: list[Segment]) -> list:
+    """The segments of a pass as the groups that attend together. One-token segments whose caches share one
+    paged pool form a single batch (the pool's `decode_batch`: one attention call per layer reads every
+    sequence's blocks in place); every other segment attends alone. Each group has `rows` and `attend`."""
+    paged = [s for s in segments if s.n_tokens == 1 and getattr(s.cache, "pool", None) is not None]
+    if not paged or len({id(s.cache.pool) for s in paged}) > 1:
+        return list(segments)
+    batched = {id(s) for s in paged}
+    return [paged[0].cache.pool.decode_batch(paged)] + [s for s in segments if id(s) not in batched]
 
 
 class CacheFullError(ValueError):
@@ -52,9 +87,6 @@ class ContiguousKVCache:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
         self.length = length
-
-    def reset(self) -> None:
-        self.length = 0
 
     @property
     def bytes_per_token(self) -> int:

@@ -11,14 +11,13 @@ positions, GELU, biases). Weights arrive as canonical named arrays from weights.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 import numpy as np
 
-from . import kernels, ops, paged
+from . import ops
 from .config import ModelConfig
-from .kv_cache import ContiguousKVCache
+from .kv_cache import ContiguousKVCache, Segment, attention_groups
 from .quant import QuantizedWeight
 
 BACKENDS = ("numba", "numpy")
@@ -53,19 +52,16 @@ class LayerWeights:
     b_in: np.ndarray | None = None
     b_out: np.ndarray | None = None
 
-    @functools.cached_property
-    def matrix_arrays(self) -> tuple:
-        """(wqkv, wo, w_in, w_out), each as the tuple of its arrays: what kernels.decode_block takes."""
-        return tuple(kernels.weight_arrays(w) for w in (self.wqkv, self.wo, self.w_in, self.w_out))
-
 
 class Transformer:
     """A loaded model: config, weights, tokenizer, and the forward pass. Build it with `tinyllm.load`.
 
-    backend="numba" (default) runs the matrix-vector products and decode attention in the Numba kernels of
-    kernels.py; backend="numpy" runs everything in the plain numpy of ops.py, to read or step through.
-    Both give the same tokens (tests/test_kernels.py), bit for bit with float32 activations; with
-    activations="int8" rounding can amplify their last-bit differences (quant.py).
+    backend="numba" (default) runs the matrix products, attention and the small ops in the Numba kernels of
+    kernels/; backend="numpy" runs everything in the plain numpy of ops.py, to read or step through. The two
+    offer the same functions (`self.ops` is one or the other) and give the same tokens (tests/test_kernels.py),
+    bit for bit with float32 activations; with activations="int8" rounding can amplify their last-bit
+    differences (quant.py). activations is a setting of this model's forward pass, not of its weights: two
+    models may share weights (an early-exit draft shares its target's) and round differently.
     """
 
     def __init__(self, config: ModelConfig, weights: dict, tokenizer=None, backend: str = "numba",
@@ -75,7 +71,7 @@ class Transformer:
         self.quant = quant or "fp32"
         self.quant_report = quant_report or []
         self.jit_s = 0.0                    # seconds spent compiling / loading kernels (numba backend)
-        self.fused_decode = True            # numba backend: a step of a few tokens runs each block as one call
+        self.fused_decode = True            # a step of a few tokens runs each block as one call (if ops has one)
         c = config
         self.tok_embed = weights["tok_embed"]                      # [V, D]
         self.lm_head = weights.get("lm_head", self.tok_embed)      # [V, D]; the same array when tied
@@ -108,7 +104,7 @@ class Transformer:
         if name not in BACKENDS:
             raise ValueError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
         if name == "numba":
-            from . import kernels
+            from . import kernels           # (imports numba: only models that use it pay for that)
             # compile (or load from numba's on-disk cache) what this model needs: not part of any step
             self.jit_s = kernels.warmup({type(w) for w in self._matrices()})
             self.ops = kernels              # the same function names as ops.py, hot ones as Numba kernels
@@ -126,13 +122,11 @@ class Transformer:
         multiply the activations rounded to int8 blocks, in integer arithmetic (quant.py; faster, less exact)."""
         if name not in ACTIVATIONS:
             raise ValueError(f"unknown activations {name!r}; choose one of: {', '.join(ACTIVATIONS)}")
-        quantized = [w for w in self._matrices() if isinstance(w, QuantizedWeight)]
-        if name == "int8" and not quantized:
+        if name == "int8" and not any(isinstance(w, QuantizedWeight) for w in self._matrices()):
             raise ValueError("activations='int8' needs quantized weights: load with quant='int8', 'int8-block', "
                              "'q4_1' or 'native'")
-        for w in quantized:
-            w.int8_inputs = name == "int8"
         self._activations = name
+        self._int8_inputs = name == "int8"  # what every linear of the forward pass is told
 
     # --- the three public ways in ----------------------------------------------------------------------------
     def logits(self, ids) -> np.ndarray:
@@ -178,7 +172,7 @@ class Transformer:
         if len(seqs) != len(caches) or not seqs:
             raise ValueError(f"need one cache (or None) per sequence, got {len(seqs)} sequences, {len(caches)} caches")
         ids = [self._check_ids(s) for s in seqs]
-        segments, positions, row = [], [], 0      # segment: (rows of this sequence, its cache, its start position)
+        segments, row = [], 0
         for seq_ids, cache in zip(ids, caches):
             T, start = len(seq_ids), (0 if cache is None else cache.length)
             if start + T > self.config.context_length:
@@ -186,10 +180,10 @@ class Transformer:
                                  f"{self.config.context_length}; shorten the prompt or generate fewer tokens")
             if cache is not None:
                 cache.check_room(T)
-            segments.append((slice(row, row + T), cache, start))
-            positions.append(np.arange(start, start + T))
+            segments.append(Segment(slice(row, row + T), cache, start))
             row += T
-        positions = np.concatenate(positions)                       # [N] each row's position in its sequence
+        positions = np.concatenate([np.arange(s.start, s.start + s.n_tokens) for s in segments])   # [N]
+        o = self.ops.for_rows(row)                                  # the kernels a pass of this many rows runs on
 
         x = self._embed(np.concatenate(ids))                        # [N, D]
         if self.pos_embed is not None:                              # gpt2: learned absolute positions
@@ -197,84 +191,66 @@ class Transformer:
             rope = None
         else:                                                       # llama: each row's rotation angles
             rope = self.rope_cos[positions], self.rope_sin[positions]   # 2 x [N, Dh/2]
-        # which rows attend how is the same in every layer, so it is worked out once: PagedAttention (Kwon et al.
-        # 2023) for the one-token rows of sequences in one paged pool (a single call that reads each sequence's
-        # blocks through its block table, paged.py), a loop over the other sequences
-        batch, loose = paged.DecodeBatch.split(segments)
-        if self._fusable(x, batch, loose):
-            self._fused_decode_blocks(x, *loose[0][1:])             # x [T, D], updated in place
+        if row <= o.FUSED_ROWS and self._fusable(segments):
+            self._fused_decode_blocks(o, x, segments[0])            # x [T, D], updated in place
         else:
+            groups = attention_groups(segments)                     # who attends with whom: the same in every layer
             for i, layer in enumerate(self.layers):
-                x = self._block(x, layer, i, rope, batch, loose)    # [N, D]
-        for rows, cache, start in segments:
-            if cache is not None:
-                cache.length = start + (rows.stop - rows.start)
+                x = self._block(o, x, layer, i, rope, groups)       # [N, D]
+        for s in segments:
+            if s.cache is not None:
+                s.cache.length = s.start + s.n_tokens
         if last_only:
-            x = x[[rows.stop - 1 for rows, _, _ in segments]]       # [B, D]: each sequence's last row
-        x = self._norm(x, self.final_norm, self.final_norm_b)
-        logits = self.ops.linear(x, self.lm_head)                   # [N, V] or [B, V]
+            x = x[[s.rows.stop - 1 for s in segments]]              # [B, D]: each sequence's last row
+        x = self._norm(o, x, self.final_norm, self.final_norm_b)
+        logits = o.linear(x, self.lm_head, int8_inputs=self._int8_inputs)   # [N, V] or [B, V]
         if last_only:
             return [logits[j:j + 1] for j in range(len(segments))]
-        return [logits[rows] for rows, _, _ in segments]
+        return [logits[s.rows] for s in segments]
 
-    def _block(self, x, layer: LayerWeights, i: int, rope, batch, loose: list) -> np.ndarray:
-        """One transformer block: x + attention(norm(x)), then x + mlp(norm(x)). x: [N, D] -> [N, D]"""
-        c, o = self.config, self.ops
+    def _block(self, o, x, layer: LayerWeights, i: int, rope, groups: list) -> np.ndarray:
+        """One transformer block: x + attention(norm(x)), then x + mlp(norm(x)). o: the ops; x: [N, D] -> [N, D]"""
+        c, a8 = self.config, self._int8_inputs
         T, H, KVH, Dh = x.shape[0], c.n_heads, c.n_kv_heads, c.head_dim
 
         # attention
-        h = self._norm(x, layer.attn_norm, layer.attn_norm_b)      # [T, D]
-        qkv = o.linear(h, layer.wqkv, layer.bqkv)                   # [T, (H + 2*KVH) * Dh]
+        h = self._norm(o, x, layer.attn_norm, layer.attn_norm_b)   # [T, D]
+        qkv = o.linear(h, layer.wqkv, layer.bqkv, int8_inputs=a8)   # [T, (H + 2*KVH) * Dh]
         q = qkv[:, :H * Dh].reshape(T, H, Dh)                       # [T, H, Dh]
         k = qkv[:, H * Dh:(H + KVH) * Dh].reshape(T, KVH, Dh)      # [T, KVH, Dh]
         v = qkv[:, (H + KVH) * Dh:].reshape(T, KVH, Dh)            # [T, KVH, Dh]
         if rope is not None:                                        # rotate q and k by their positions
             q, k = o.apply_rope(q, *rope), o.apply_rope(k, *rope)
-        # past SMALL_M rows the numba backend's linears run on BLAS; attention then runs in numpy too, so that
-        # BLAS's and Numba's threads never take turns on the same cores within one pass (kernels.py, "dispatch")
-        blas_pass = self.backend == "numba" and T > kernels.SMALL_M
-        o_att, att_backend = (ops, "numpy") if blas_pass else (o, self.backend)
-        if batch is None and len(loose) == 1:                       # one sequence: attend over its whole history
-            _, cache, start = loose[0]
-            if cache is not None:                                   # store this step's K/V, read back all of it
-                k, v = cache.update(i, start, k, v)                 # [S, KVH, Dh], S = start + T
-            att = o_att.attention(q, k, v, start)                   # [T, H*Dh]
+        if len(groups) == 1:                                        # one sequence (or one batch): all the rows
+            att = groups[0].attend(i, q, k, v, o)                   # [T, H*Dh]
         else:                                                       # several: each against its own cache
             att = np.empty((T, H * Dh), dtype=np.float32)
-            if batch is not None:                                   # paged one-token rows: one call
-                att[batch.rows] = batch.attend(i, q[batch.rows], k[batch.rows], v[batch.rows], att_backend)
-            for rows, cache, start in loose:
-                k_s, v_s = k[rows], v[rows]
-                if cache is not None:
-                    k_s, v_s = cache.update(i, start, k_s, v_s)
-                att[rows] = o_att.attention(q[rows], k_s, v_s, start)
-        x = x + o.linear(att, layer.wo, layer.bo)                   # [T, D]
+            for g in groups:
+                att[g.rows] = g.attend(i, q[g.rows], k[g.rows], v[g.rows], o)
+        x = x + o.linear(att, layer.wo, layer.bo, int8_inputs=a8)   # [T, D]
 
         # feed-forward
-        h = self._norm(x, layer.ffn_norm, layer.ffn_norm_b)        # [T, D]
+        h = self._norm(o, x, layer.ffn_norm, layer.ffn_norm_b)     # [T, D]
         if c.arch == "llama":
-            h = o.swiglu(o.linear(h, layer.w_in))                   # [T, 2F] -> [T, F]: silu(gate) * up
+            h = o.swiglu(o.linear(h, layer.w_in, int8_inputs=a8))   # [T, 2F] -> [T, F]: silu(gate) * up
         else:
-            h = o.gelu_tanh(o.linear(h, layer.w_in, layer.b_in))    # [T, F]
-        return x + o.linear(h, layer.w_out, layer.b_out)            # [T, D]
+            h = o.gelu_tanh(o.linear(h, layer.w_in, layer.b_in, int8_inputs=a8))   # [T, F]
+        return x + o.linear(h, layer.w_out, layer.b_out, int8_inputs=a8)          # [T, D]
 
-    def _fusable(self, x, batch, loose: list) -> bool:
-        """Can this pass take the fused path: a few tokens (a decode step, a verification) of one sequence on a
-        contiguous cache, through Llama blocks (no attention biases), on the numba backend?"""
-        return (self.fused_decode and self.backend == "numba" and self.ops.FUSED_DECODE and batch is None
-                and len(loose) == 1 and x.shape[0] <= self.ops.FEW_TOKENS and type(loose[0][1]) is ContiguousKVCache
+    def _fusable(self, segments: list[Segment]) -> bool:
+        """Can this pass run each block as one call: one sequence on a contiguous cache, through Llama blocks
+        without attention biases (the row count is the ops' to judge: FUSED_ROWS)?"""
+        return (self.fused_decode and len(segments) == 1 and type(segments[0].cache) is ContiguousKVCache
                 and self.config.arch == "llama" and not self.config.attn_bias)
 
-    def _fused_decode_blocks(self, x, cache: ContiguousKVCache, start: int) -> None:
-        """The fast twin of the `_block` loop for a few new tokens: each layer is one call of kernels.decode_block,
+    def _fused_decode_blocks(self, o, x, segment: Segment) -> None:
+        """The fast twin of the `_block` loop for a few new tokens: each layer is one call of o.decode_block,
         which runs the same kernels with no Python between them (tests/test_model.py checks the two agree)."""
-        c, T = self.config, x.shape[0]
+        c, T, cache, start = self.config, x.shape[0], segment.cache, segment.start
         cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]   # [T, Dh/2] each
         for i, layer in enumerate(self.layers):
-            int8_inputs = tuple(getattr(w, "int8_inputs", False) for w in (layer.wqkv, layer.wo, layer.w_in,
-                                                                            layer.w_out))
-            self.ops.decode_block(x, layer.attn_norm, layer.ffn_norm, *layer.matrix_arrays, int8_inputs,
-                                  cache.k[i], cache.v[i], start, cos, sin, c.n_heads, c.norm_eps)
+            o.decode_block(x, layer, cache.k[i], cache.v[i], start, cos, sin, c.n_heads, c.norm_eps,
+                           self._int8_inputs)
 
     def _matrices(self) -> list:
         """Every weight that goes through `linear`."""
@@ -289,10 +265,10 @@ class Transformer:
             return self.tok_embed.dequantize(ids)
         return self.tok_embed[ids]
 
-    def _norm(self, x, weight, bias):
+    def _norm(self, o, x, weight, bias):
         if self.config.arch == "llama":
-            return self.ops.rmsnorm(x, weight, self.config.norm_eps)
-        return self.ops.layernorm(x, weight, bias, self.config.norm_eps)
+            return o.rmsnorm(x, weight, self.config.norm_eps)
+        return o.layernorm(x, weight, bias, self.config.norm_eps)
 
     def _check_ids(self, ids) -> np.ndarray:
         ids = np.asarray(ids)
@@ -324,6 +300,6 @@ class Transformer:
 
     def __repr__(self) -> str:
         c = self.config
-        return (f"Transformer({c.name or c.arch}: {c.n_layers} layers, D={c.dim}, H={c.n_heads}, KVH={c.n_kv_heads}, "
-                f"V={c.vocab_size}, {c.n_params / 1e6:.1f}M params, {self.quant} weights {self.weight_bytes / 2**20:.0f} "
-                f"MiB, {self.activations} activations, backend={self.backend})")
+        return (f"Transformer({c.name or c.arch}: {c.n_layers} layers, D={c.dim}, H={c.n_heads}, "
+                f"KVH={c.n_kv_heads}, V={c.vocab_size}, {c.n_params / 1e6:.1f}M params, {self.quant} weights "
+                f"{self.weight_bytes / 2**20:.0f} MiB, {self.activations} activations, backend={self.backend})")

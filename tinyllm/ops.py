@@ -2,23 +2,27 @@
 
 This is the readable reference: every function is a few lines you can step through in a debugger. Shape
 names are defined in config.py (T tokens, S cached positions, D width, H/KVH heads, Dh head dim, ...).
-Nothing here allocates state or knows about caches; model.py wires these together.
+Nothing here allocates state or knows about caches; model.py wires these together. kernels/ offers the same
+functions as compiled Numba code (a model's `ops` is this module or that package).
 """
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 
 from .quant import round_activations
 
 
-def linear(x: np.ndarray, w, b: np.ndarray | None = None) -> np.ndarray:
+def linear(x: np.ndarray, w, b: np.ndarray | None = None, int8_inputs: bool = False) -> np.ndarray:
     """y = x W^T (+ b). `w` is [out, in] (PyTorch's layout), so each output is one row of w dotted with x.
 
-    A quantized weight (quant.py) is dequantized to float32 first (and x rounded to int8 blocks if the weight
-    asks for int8 inputs): the readable reference, not the fast path (kernels.linear reads the quantized bytes).
+    A quantized weight (quant.py) is dequantized to float32 first, and with int8_inputs x is first rounded to
+    int8 blocks (the model's activations="int8"): the readable reference, not the fast path (kernels.linear
+    reads the quantized bytes). float32 weights always multiply x as it is.
     """
     if not isinstance(w, np.ndarray):
-        if w.int8_inputs:
+        if int8_inputs:
             x = round_activations(x)                    # [T, in], each value now int8 * its block's scale
         w = w.dequantize()                              # [out, in] float32
     y = x @ w.T                                         # [T, in] @ [in, out] -> [T, out]
@@ -103,3 +107,33 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
     probs = softmax(scores, axis=-1)                               # [KVH, G, T, S]
     out = probs @ v.transpose(1, 0, 2)[:, None]                    # [KVH, G, T, Dh]
     return out.transpose(2, 0, 1, 3).reshape(T, H * Dh)            # [T, H*Dh]
+
+
+def paged_attention(q: np.ndarray, k_blocks: np.ndarray, v_blocks: np.ndarray, block_tables: np.ndarray,
+                    context_lens: np.ndarray) -> np.ndarray:
+    """Attention of B one-token queries, each against its own sequence in a paged KV pool (paged.py).
+
+    q [B, H, Dh]; k_blocks, v_blocks [NB, BS, KVH, Dh]: one layer of the pool; block_tables [B, max blocks]: the
+    physical block of each sequence's logical blocks; context_lens [B]: positions to attend, the new one included.
+    Each sequence's positions are gathered through its table (position p lives at offset p % BS of block
+    table[p // BS]), then it is plain attention of the last position. -> [B, H*Dh]
+    """
+    B, H, Dh = q.shape
+    BS = k_blocks.shape[1]
+    out = np.empty((B, H * Dh), dtype=np.float32)
+    for b in range(B):
+        S = int(context_lens[b])
+        pos = np.arange(S)                                                         # [S]
+        blocks, offsets = block_tables[b, pos // BS], pos % BS                     # [S], [S]
+        k, v = k_blocks[blocks, offsets], v_blocks[blocks, offsets]                # [S, KVH, Dh] each
+        out[b] = attention(q[b:b + 1], k, v, S - 1)[0]                             # [H*Dh]
+    return out
+
+
+# --- how a forward pass runs: in numpy the same way for any number of rows (kernels/ decides by row count) ----
+FUSED_ROWS = 0      # no fused block here: every pass runs op by op (kernels.decode_block is the fused one)
+
+
+def for_rows(n_rows: int):
+    """The ops a forward pass of n_rows rows runs on: always these."""
+    return sys.modules[__name__]

@@ -10,8 +10,9 @@ Large Language Model Serving with PagedAttention", the vLLM paper). Three parts,
     PagedKVCache     the storage (K and V blocks per layer) + one allocator; `new_sequence()` gives a
     SequenceCache    per-sequence handle with the model's cache contract (length, check_room, update, truncate)
 
-plus `paged_decode_attention`, a Numba kernel (and numpy twin) that attends a batch of one-token queries by
-reading each sequence's blocks through its block table in one call per layer. Left out: swapping blocks to
+plus `DecodeBatch`: the one-token sequences of a forward pass that live in one pool, attended in one call per
+layer (ops.paged_attention / kernels.paged_attention) that reads each sequence's blocks through its block table.
+Left out: swapping blocks to
 host memory (preemption here is by recompute), sliding windows, and multi-GPU anything.
 """
 from __future__ import annotations
@@ -21,11 +22,9 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit, prange
 
 from .config import ModelConfig
-from . import kernels
-from .kernels import softmax_in_place
+from .kv_cache import Segment
 
 
 class OutOfBlocks(RuntimeError):
@@ -276,7 +275,8 @@ class PagedKVCache:
         self.allocator = BlockAllocator(num_blocks, block_size, prefix_caching)
         self.block_size, self.num_blocks, self.max_positions = block_size, num_blocks, config.context_length
         self._next_id = 0
-        kernels.warmup_paged()                 # compile the batched kernel now, not in the middle of a request
+        from .kernels import warmup_paged
+        warmup_paged()                         # compile the batched kernel now, not in the middle of a request
 
     @property
     def bytes_per_token(self) -> int:
@@ -297,6 +297,16 @@ class PagedKVCache:
         else:
             self.allocator.allocate(seq_id, [])
         return seq
+
+    def decode_batch(self, segments: list[Segment]) -> DecodeBatch:
+        """One-token segments of a pass whose caches are sequences of this pool -> their DecodeBatch."""
+        width = max(len(s.cache.block_table) for s in segments)
+        tables = np.zeros((len(segments), width), dtype=np.int32)                  # [B, max blocks]
+        for j, s in enumerate(segments):
+            tables[j, :len(s.cache.block_table)] = s.cache.block_table
+        return DecodeBatch(rows=np.array([s.rows.start for s in segments]), pool=self, block_tables=tables,
+                           context_lens=np.array([s.start + 1 for s in segments], dtype=np.int32),
+                           new_slots=np.array([s.cache.slots[s.start] for s in segments]))
 
     def copy_blocks(self, copies) -> None:
         for src, dst in copies:                            # copy-on-write, every layer at once
@@ -344,8 +354,8 @@ class SequenceCache:
     def update(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Store k, v ([T, KVH, Dh]) at positions start .. start+T-1; return the whole history [start+T, KVH, Dh].
 
-        The history is gathered from the blocks (a copy): the numpy twin of reading through the block table.
-        Batched decode skips the gather and reads the blocks in place (`paged_decode_attention`).
+        The history is gathered from the blocks (a copy): the plain way of reading through the block table.
+        Batched decode skips the gather and reads the blocks in place (`DecodeBatch`).
         """
         end = start + k.shape[0]
         self.write(layer, start, k, v)
@@ -387,107 +397,15 @@ class SequenceCache:
 # --- batched decode attention over the blocks (PagedAttention) ----------------------------------------------------
 @dataclass
 class DecodeBatch:
-    """One-token segments of a forward_batch that all live in one pool: attended together, one call per layer."""
+    """One-token segments of a forward pass that all live in one pool: attended together, one call per layer."""
     rows: np.ndarray            # [B] row of each sequence's token in the stacked activations
-    caches: list                # [B] SequenceCache
+    pool: PagedKVCache
     block_tables: np.ndarray    # [B, max blocks] int32, padded with 0 (never read past context_lens)
     context_lens: np.ndarray    # [B] int32: positions to attend, including the new token
     new_slots: np.ndarray       # [B] int64: slot the new token's K/V goes to
 
-    @staticmethod
-    def split(segments) -> tuple["DecodeBatch | None", list]:
-        """Segments of one token whose caches share one pool -> (their DecodeBatch, the other segments).
-        (None, segments) when none qualify. A lone sequence qualifies too: the kernel reads its blocks in place,
-        where the per-sequence path would first gather its whole history into one array, every layer."""
-        picked = [(rows.start, cache, start) for rows, cache, start in segments
-                  if isinstance(cache, SequenceCache) and rows.stop - rows.start == 1]
-        if not picked or len({id(c.pool) for _, c, _ in picked}) > 1:
-            return None, segments
-        width = max(len(c.block_table) for _, c, _ in picked)
-        tables = np.zeros((len(picked), width), dtype=np.int32)                   # [B, max blocks]
-        for j, (_, c, _) in enumerate(picked):
-            tables[j, :len(c.block_table)] = c.block_table
-        batch = DecodeBatch(rows=np.array([r for r, _, _ in picked]), caches=[c for _, c, _ in picked],
-                            block_tables=tables,
-                            context_lens=np.array([s + 1 for _, _, s in picked], dtype=np.int32),
-                            new_slots=np.array([c.slots[s] for _, c, s in picked]))
-        taken = {id(c) for c in batch.caches}
-        return batch, [seg for seg in segments if id(seg[1]) not in taken]
-
-    def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, backend: str) -> np.ndarray:
+    def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, ops) -> np.ndarray:
         """Write each sequence's new k, v ([B, KVH, Dh]) into its slot, then attend q [B, H, Dh]. -> [B, H*Dh]"""
-        pool = self.caches[0].pool
-        pool.k_slots[layer, self.new_slots] = k                                    # [B, KVH, Dh]
-        pool.v_slots[layer, self.new_slots] = v
-        f = paged_decode_attention if backend == "numba" else paged_decode_attention_numpy
-        return f(q, pool.k[layer], pool.v[layer], self.block_tables, self.context_lens)   # [B, H*Dh]
-
-
-def paged_decode_attention_numpy(q, k_blocks, v_blocks, block_tables, context_lens) -> np.ndarray:
-    """Numpy twin: gather each sequence's positions through its block table, then plain GQA attention.
-    q [B, H, Dh]; k_blocks, v_blocks [NB, BS, KVH, Dh]; block_tables [B, max blocks]; context_lens [B] -> [B, H*Dh]"""
-    B, H, Dh = q.shape
-    BS, KVH = k_blocks.shape[1], k_blocks.shape[2]
-    out = np.empty((B, H * Dh), dtype=np.float32)
-    for b in range(B):
-        S = int(context_lens[b])
-        pos = np.arange(S)                                                         # [S]
-        blocks, offs = block_tables[b, pos // BS], pos % BS                        # [S], [S]
-        k, v = k_blocks[blocks, offs], v_blocks[blocks, offs]                      # [S, KVH, Dh] each
-        qg = q[b].reshape(KVH, H // KVH, Dh)                                       # [KVH, G, Dh]
-        scores = np.einsum("kgd,skd->kgs", qg, k) / np.float32(np.sqrt(Dh))        # [KVH, G, S]
-        p = np.exp(scores - scores.max(-1, keepdims=True))
-        p /= p.sum(-1, keepdims=True)                                              # [KVH, G, S]
-        out[b] = np.einsum("kgs,skd->kgd", p, v).reshape(H * Dh)                   # [H*Dh]
-    return out
-
-
-def paged_decode_attention(q, k_blocks, v_blocks, block_tables, context_lens) -> np.ndarray:
-    """Numba kernel: same inputs and result as the numpy twin, without gathering a copy of any history."""
-    B, H, Dh = q.shape
-    out = np.empty((B, H, Dh), dtype=np.float32)                                   # [B, H, Dh]
-    _paged_decode_kernel(np.ascontiguousarray(q, dtype=np.float32), k_blocks, v_blocks,
-                         np.ascontiguousarray(block_tables, dtype=np.int32),
-                         np.ascontiguousarray(context_lens, dtype=np.int32), out)
-    return out.reshape(B, H * Dh)
-
-
-@njit(parallel=True, fastmath=True, cache=True, nogil=True)
-def _paged_decode_kernel(q, k_blocks, v_blocks, block_tables, context_lens, out):
-    # Hot: batched decode runs this once per layer per step, over every cached position of every sequence.
-    # One task per sequence (_paged_attend_one; a call rather than the loop written inline, which compiled in
-    # about twice the time on a first run).
-    for b in prange(q.shape[0]):
-        _paged_attend_one(q[b], k_blocks, v_blocks, block_tables[b], context_lens[b], out[b])
-
-
-@njit(fastmath=True, cache=True, nogil=True)
-def _paged_attend_one(q, k_blocks, v_blocks, table, S, out):
-    """One sequence: q [H, Dh] against its S cached positions, found through its block table -> out [H, Dh].
-    It walks the blocks in order and reads each block's K (then V) rows for all KV heads at once: a block is one
-    contiguous [block_size, KVH, Dh] run of memory, which the hardware prefetcher streams well. (One task per
-    (sequence, KV head) read only every third 256-byte piece of each block, and measured 1.4-2.1 vs 1.1-1.2 ms
-    per layer at 32 sequences x 257 positions with the cache cold.) Query head h reads KV head h // G: GQA
-    without copies."""
-    H, Dh = q.shape
-    BS, KVH = k_blocks.shape[1], k_blocks.shape[2]
-    G = H // KVH
-    scale = np.float32(1.0 / np.sqrt(Dh))
-    scores = np.empty((H, S), dtype=np.float32)                  # [H, S]
-    for s in range(S):                                           # q . k, position s found via the block table
-        blk, r = table[s // BS], s % BS
-        for h in range(H):
-            acc = np.float32(0.0)
-            for j in range(Dh):
-                acc += q[h, j] * k_blocks[blk, r, h // G, j]
-            scores[h, s] = acc * scale
-    for h in range(H):                                           # softmax over the S positions
-        softmax_in_place(scores[h])
-    acc_out = np.zeros((H, Dh), dtype=np.float32)                # [H, Dh] weighted sum of v, stays in L1
-    for s in range(S):
-        blk, r = table[s // BS], s % BS
-        for h in range(H):
-            p = scores[h, s]
-            for j in range(Dh):
-                acc_out[h, j] += p * v_blocks[blk, r, h // G, j]
-    out[:] = acc_out
+        self.pool.k_slots[layer, self.new_slots] = k                               # [B, KVH, Dh]
+        self.pool.v_slots[layer, self.new_slots] = v
+        return ops.paged_attention(q, self.pool.k[layer], self.pool.v[layer], self.block_tables, self.context_lens)

@@ -14,17 +14,18 @@ The default model's file already holds Q4_1 matrices and a Q8_0 embedding: `from
 bytes without loss, so tinyllm can run on the file's own 4-bit weights.
 
 Optionally the input of a quantized linear is rounded too, as llama.cpp always does: each row of activations to
-int8 with one scale per block of 32 values (Q8_0's scheme, `quantize_activations`; `int8_inputs` on a weight,
-set for a whole model with `tinyllm.load(..., activations="int8")`). Then every product of the dot product is
-an integer product, and on a CPU with AVX-512 VNNI one instruction does 32 of them (kernels.py): converting each
-int8 weight to float32 costs more than reading it from memory, so without this a quantized decode step is bound
-by arithmetic, not by the bytes it reads. The rounding is part of the arithmetic on every path (numpy, Numba,
-BLAS), but it turns differences of 1e-7 between paths into whole rounding steps now and then, so the numpy and
-Numba backends no longer give bit-for-bit the same tokens. benchmarks/quality.py measures what it costs.
+int8 with one scale per block of 32 values (Q8_0's scheme, `quantize_activations`; a setting of the model's
+forward pass, `tinyllm.load(..., activations="int8")`, passed to every linear as `int8_inputs`). Then every
+product of the dot product is an integer product, and on a CPU with AVX-512 VNNI one instruction does 32 of them
+(kernels/intdot.py): converting each int8 weight to float32 costs more than reading it from memory, so without
+this a quantized decode step is bound by arithmetic, not by the bytes it reads. The rounding is part of the
+arithmetic on every path (numpy, Numba, BLAS), but it turns differences of 1e-7 between paths into whole
+rounding steps now and then, so the numpy and Numba backends no longer give bit-for-bit the same tokens. benchmarks/quality.py measures what it costs.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,35 +38,30 @@ class QuantizedWeight:
     """Base: a quantized [O, I] matrix. Subclasses know how to dequantize and how to be concatenated."""
 
     shape: tuple[int, int]
-    int8_inputs = False     # multiply by the input rounded to int8 blocks (quantize_activations), the integer
-    #                         path of kernels.py; False: by the float32 input as it is (weight-only quantization)
 
     def dequantize(self, rows: np.ndarray | slice = slice(None)) -> np.ndarray:
         raise NotImplementedError
 
-    def _arrays(self) -> list[np.ndarray]:
-        return [getattr(self, f.name) for f in dataclasses.fields(self)]
+    @functools.cached_property
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """The stored arrays in field order: what the compiled kernels take (kernels/linear_kernels.py)."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self._arrays())
+        return sum(a.nbytes for a in self.arrays)
 
     def take_rows(self, idx: np.ndarray) -> "QuantizedWeight":
         """The same rows in another order (rows are quantized independently, so this is exact)."""
-        out = type(self)(*(a[idx] for a in self._arrays()))
-        out.int8_inputs = self.int8_inputs
-        return out
+        return type(self)(*(a[idx] for a in self.arrays))
 
     @classmethod
     def concat_rows(cls, parts: list["QuantizedWeight"]) -> "QuantizedWeight":
         """Stack matrices of the same type and width on top of each other (fusing q/k/v or gate/up)."""
-        out = cls(*(np.concatenate(arrays) for arrays in zip(*(p._arrays() for p in parts))))
-        out.int8_inputs = parts[0].int8_inputs
-        return out
+        return cls(*(np.concatenate(arrays) for arrays in zip(*(p.arrays for p in parts))))
 
     def __repr__(self):
-        inputs = ", int8 inputs" if self.int8_inputs else ""
-        return f"{type(self).__name__}(shape={self.shape}, {self.nbytes / 2**20:.2f} MiB{inputs})"
+        return f"{type(self).__name__}(shape={self.shape}, {self.nbytes / 2**20:.2f} MiB)"
 
 
 @dataclass(repr=False)

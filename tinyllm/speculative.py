@@ -253,12 +253,9 @@ def early_exit(target, n_layers: int):
     return draft
 
 
-# The format of a self-draft's output head (and embedding table), by the format of its matrices. A 4-bit head is
-# the one that costs acceptance: it picks the token. llama.cpp's 4-bit mixes keep output.weight at 6 or 8 bits for
-# that reason, and so does the default model's file (Q4_1 matrices, a Q8_0 embedding and tied head), which this
-# reproduces: the fp32 target's matrices requantize to exactly the file's Q4_1 bytes. Measured on the speculative
-# lab's chat prompt (k = 3, 48 tokens): alpha 0.71 with a 4-bit head; with this one 1.00 in 7 runs of 8 and 0.89
-# in the other (the draft's int8 activations can tip a near-tie either way).
+# The format of a self-draft's output head (and embedding table), by the format of its matrices: the head picks the
+# token, so a 4-bit one costs acceptance; 8 bits, as in llama.cpp's 4-bit mixes and the default model's own file
+# (RESULTS.md, "Kernel design measurements").
 DRAFT_HEAD_FORMAT = {"int8": "int8", "q4_1": "int8-block"}
 
 

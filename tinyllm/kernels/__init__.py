@@ -1,0 +1,40 @@
+"""The Numba twins of ops.py: the same functions under the same names, with the hot loops compiled.
+
+A model with backend="numba" uses this package as its `ops`; everything it calls here has a plain numpy twin in
+ops.py and a parity test (tests/test_kernels.py). The files, in the order a decode step meets them:
+
+    dispatch.py           which kernel runs for how many rows, which format, which activations (the one policy)
+    linear_kernels.py     matrix-vector and small matrix-matrix products for every weight format
+    intdot.py             integer dot products (AVX-512 VNNI, in LLVM IR) with their written contract and plain twins
+    pointwise.py          RMSNorm, RoPE, SwiGLU
+    attention_kernels.py  decode (flash-decoding), causal (prompts) and paged (PagedAttention) attention
+    block.py              a whole Llama block of a decode step as one compiled call
+    blas.py               the ops of a pass too long for these kernels: BLAS sgemm and numpy attention
+    numerics.py           compile options, a vectorisable exp, softmax
+    warmup.py             compiling all of the above before the first request
+
+NUMBA_DISABLE_JIT=1 runs every kernel as plain Python, to step through (slowly); the fused block is then off.
+"""
+from __future__ import annotations
+
+import sys
+
+from .. import ops
+from . import blas
+from .block import decode_block
+from .dispatch import FUSED_ROWS, SMALL_M, attention, linear, paged_attention, swiglu
+from .intdot import HAVE_VNNI
+from .pointwise import apply_rope, rmsnorm
+from .warmup import warmup, warmup_paged
+
+layernorm, gelu_tanh, softmax, silu, rope_tables = ops.layernorm, ops.gelu_tanh, ops.softmax, ops.silu, ops.rope_tables
+
+__all__ = ["linear", "rmsnorm", "layernorm", "apply_rope", "swiglu", "gelu_tanh", "softmax", "silu", "rope_tables",
+           "attention", "paged_attention", "decode_block", "for_rows", "FUSED_ROWS", "HAVE_VNNI", "warmup",
+           "warmup_paged"]
+
+
+def for_rows(n_rows: int):
+    """The ops a forward pass of n_rows rows (all its sequences together) runs on: this package, or past SMALL_M
+    rows blas.py's, so that no pass mixes BLAS's threads with Numba's."""
+    return blas if n_rows > SMALL_M else sys.modules[__name__]

@@ -1,0 +1,157 @@
+"""Attention kernels: a few new tokens against a contiguous cache, a prompt against itself, and a batch of
+one-token queries against a paged cache. Each is the compiled twin of ops.attention or ops.paged_attention.
+
+Grouped-query attention throughout: query head h reads KV head h // G, so a K/V row read once serves the G query
+heads of its group (and every query token of the call) from L1; K and V are never copied or repeated.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .numerics import PARALLEL, SERIAL, exp32, softmax_in_place
+
+ATTN_CHUNK = 32   # cache positions per task in decode attention
+
+
+@njit(**PARALLEL)
+def decode_attention(q, k, v, start, out):
+    """q [T, H, Dh]: T new tokens (1 in a decode step, k+1 in a speculative verification) at positions start ..
+    start+T-1; k, v [S, KVH, Dh] (the cache incl. these tokens, S = start + T) -> out [T, H, Dh]. Causal: token t
+    sees positions 0 .. start+t.
+
+    Split over positions ("flash-decoding", Dao et al. 2023), so both cores work even with 3 KV heads: each task
+    takes ATTN_CHUNK positions and computes, per query token and head, the scores, their running max m, the sum l
+    of their exponentials and the weighted sum of V; the chunks are merged at the end by rescaling with
+    exp(m_chunk - m_global). A task reads its K rows, then its V rows, front to back: [s, all KV heads, Dh] is one
+    contiguous run of memory, which the hardware prefetcher streams well.
+    """
+    T, H, Dh = q.shape
+    S, KVH, _ = k.shape
+    G = H // KVH
+    n_chunks = (S + ATTN_CHUNK - 1) // ATTN_CHUNK
+    scale = np.float32(1.0 / np.sqrt(Dh))
+    chunk_max = np.empty((n_chunks, T, H), dtype=np.float32)    # m per chunk
+    chunk_sum = np.empty((n_chunks, T, H), dtype=np.float32)    # l per chunk
+    chunk_out = np.empty((n_chunks, T, H, Dh), dtype=np.float32)
+    for c in prange(n_chunks):
+        s0, s1 = c * ATTN_CHUNK, min(S, (c + 1) * ATTN_CHUNK)
+        scores = np.empty((T, H, ATTN_CHUNK), dtype=np.float32)
+        acc = np.zeros((T, H, Dh), dtype=np.float32)            # this chunk's weighted sum of v, per token and head
+        for s in range(s0, s1):                                  # q . k, one pass over k[s0:s1]
+            for t in range(max(0, s - start), T):                # the tokens that see position s
+                for h in range(H):
+                    kvh = h // G
+                    a = np.float32(0.0)
+                    for j in range(Dh):
+                        a += q[t, h, j] * k[s, kvh, j]
+                    scores[t, h, s - s0] = a * scale
+        for t in range(T):                                       # this chunk's softmax statistics
+            n = min(s1, start + t + 1) - s0                      # how many of its positions token t sees
+            for h in range(H):
+                if n <= 0:                                       # none: a chunk that adds nothing in the merge
+                    chunk_max[c, t, h], chunk_sum[c, t, h] = np.float32(-1e30), np.float32(0.0)
+                    continue
+                m = scores[t, h, 0]
+                for i in range(1, n):
+                    m = max(m, scores[t, h, i])
+                total = np.float32(0.0)
+                for i in range(n):
+                    e = exp32(scores[t, h, i] - m)
+                    scores[t, h, i] = e
+                    total += e
+                chunk_max[c, t, h], chunk_sum[c, t, h] = m, total
+        for s in range(s0, s1):                                  # weighted sum of v, one pass over v[s0:s1]
+            for t in range(max(0, s - start), T):
+                for h in range(H):
+                    kvh = h // G
+                    p = scores[t, h, s - s0]
+                    for j in range(Dh):
+                        acc[t, h, j] += p * v[s, kvh, j]
+        chunk_out[c] = acc
+    for t in range(T):                                           # merge the chunks of each token and head
+        for h in range(H):
+            m = chunk_max[0, t, h]
+            for c in range(1, n_chunks):
+                m = max(m, chunk_max[c, t, h])
+            total = np.float32(0.0)
+            for j in range(Dh):
+                out[t, h, j] = 0.0
+            for c in range(n_chunks):
+                w = exp32(chunk_max[c, t, h] - m)
+                total += w * chunk_sum[c, t, h]
+                for j in range(Dh):
+                    out[t, h, j] += w * chunk_out[c, t, h, j]
+            inv = np.float32(1.0) / total
+            for j in range(Dh):
+                out[t, h, j] *= inv
+
+
+@njit(**PARALLEL)
+def causal_attention(q, k, v, start, out):
+    """q [T, H, Dh] at positions start .. start+T-1, k, v [S, KVH, Dh] (S = start + T) -> out [T, H, Dh].
+
+    For a prompt or a prompt chunk: one task per (query token, KV head); the token at position start+t sees
+    positions 0 .. start+t. The same arithmetic as the numpy twin's batched matmuls, kept in Numba so that BLAS's
+    threads stay out of a pass whose linears run in Numba (dispatch.py).
+    """
+    T, H, Dh = q.shape
+    KVH = k.shape[1]
+    G = H // KVH
+    scale = np.float32(1.0 / np.sqrt(Dh))
+    for task in prange(T * KVH):
+        t, kvh = task // KVH, task % KVH
+        n = start + t + 1                                        # positions this token may attend to
+        scores = np.empty((G, n), dtype=np.float32)             # [G, n]
+        for s in range(n):
+            for g in range(G):
+                acc = np.float32(0.0)
+                for j in range(Dh):
+                    acc += q[t, kvh * G + g, j] * k[s, kvh, j]
+                scores[g, s] = acc * scale
+        for g in range(G):
+            softmax_in_place(scores[g])
+            for j in range(Dh):
+                out[t, kvh * G + g, j] = 0.0
+            for s in range(n):
+                p = scores[g, s]
+                for j in range(Dh):
+                    out[t, kvh * G + g, j] += p * v[s, kvh, j]
+
+
+@njit(**PARALLEL)
+def paged_decode_attention(q, k_blocks, v_blocks, block_tables, context_lens, out):
+    """PagedAttention (Kwon et al. 2023) for a batch of one-token queries: q [B, H, Dh]; k_blocks, v_blocks
+    [NB, BS, KVH, Dh] (one layer of the pool); block_tables [B, max blocks] int32; context_lens [B] int32 ->
+    out [B, H, Dh]. One task per sequence; no history is gathered into a copy."""
+    for b in prange(q.shape[0]):
+        _paged_attend_one(q[b], k_blocks, v_blocks, block_tables[b], context_lens[b], out[b])
+
+
+@njit(**SERIAL)
+def _paged_attend_one(q, k_blocks, v_blocks, table, S, out):
+    """One sequence: q [H, Dh] against its S cached positions, found through its block table -> out [H, Dh].
+    It walks the blocks in order and reads each block's K (then V) rows for all KV heads at once: a block is one
+    contiguous [BS, KVH, Dh] run of memory."""
+    H, Dh = q.shape
+    BS, KVH = k_blocks.shape[1], k_blocks.shape[2]
+    G = H // KVH
+    scale = np.float32(1.0 / np.sqrt(Dh))
+    scores = np.empty((H, S), dtype=np.float32)                  # [H, S]
+    for s in range(S):                                           # q . k, position s found via the block table
+        blk, r = table[s // BS], s % BS
+        for h in range(H):
+            acc = np.float32(0.0)
+            for j in range(Dh):
+                acc += q[h, j] * k_blocks[blk, r, h // G, j]
+            scores[h, s] = acc * scale
+    for h in range(H):                                           # softmax over the S positions
+        softmax_in_place(scores[h])
+    acc_out = np.zeros((H, Dh), dtype=np.float32)                # [H, Dh] weighted sum of v, stays in L1
+    for s in range(S):
+        blk, r = table[s // BS], s % BS
+        for h in range(H):
+            p = scores[h, s]
+            for j in range(Dh):
+                acc_out[h, j] += p * v_blocks[blk, r, h // G, j]
+    out[:] = acc_out

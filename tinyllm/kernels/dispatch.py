@@ -1,0 +1,114 @@
+"""Which kernel runs: the one place that decides by row count, weight format and activations setting.
+
+    rows in the pass     linears                                 attention
+    1 .. FEW_TOKENS      linear_kernels.py (see linear_into)     decode_attention (flash-decoding)
+    .. SMALL_M           linear_kernels.py                       causal_attention
+    more                 BLAS sgemm (blas.py)                    numpy (ops.attention)
+
+Past SMALL_M rows BLAS's sgemm is faster than the Numba kernels, and then everything else in the pass leaves Numba
+too: OpenBLAS's and Numba's threads would spin-wait on the same 2 cores and take turns (`for_rows` hands the model
+the ops of such a pass). A one-token step of a Llama block on a contiguous cache runs as one compiled call
+(block.py) for up to FUSED_ROWS tokens.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import config, njit
+from numba.extending import overload
+
+from .. import ops
+from . import blas, intdot
+from .attention_kernels import causal_attention, decode_attention, paged_decode_attention
+from .linear_kernels import (TILE_MIN_ROWS, linear_int8_a8, linear_q4, linear_q4_a8, linear_rows, linear_tiled,
+                             round_rows, weight_arrays)
+from .numerics import SERIAL
+from .pointwise import swiglu_into, swiglu_rows_into
+
+SMALL_M = 128     # up to this many rows the Numba linears beat BLAS (RESULTS.md, "Kernel design measurements")
+FEW_TOKENS = 16   # up to this many query tokens attention splits over positions (decode, verification)
+FUSED_ROWS = 0 if config.DISABLE_JIT else FEW_TOKENS   # the fused block needs compiled code (linear_into)
+
+
+# --- linear -----------------------------------------------------------------------------------------------------
+def _linear_kernels(w, x, out, int8_inputs, vnni):
+    """See linear_into. This Python body runs under NUMBA_DISABLE_JIT=1; compiled code calls the overload below,
+    the same rule specialised to the weight's format."""
+    few, many, integer = ((linear_q4, linear_q4, linear_q4_a8) if len(w) == 3
+                          else (linear_rows, linear_tiled, linear_int8_a8))
+    if int8_inputs and len(w) > 1 and x.shape[0] < TILE_MIN_ROWS:
+        integer(w, x, out, vnni)
+    else:
+        (few if x.shape[0] < TILE_MIN_ROWS else many)(w, round_rows(x) if int8_inputs and len(w) > 1 else x, out)
+
+
+@overload(_linear_kernels, inline="always")
+def _linear_kernels_typed(w, x, out, int8_inputs, vnni):
+    if len(w.types) == 3:                                                # 4-bit: one kernel for any M
+        few, many, integer = linear_q4, linear_q4, linear_q4_a8
+    else:                                                                # fp32, int8, int8-block
+        few, many, integer = linear_rows, linear_tiled, linear_int8_a8
+
+    def floats(w, x, out, int8_inputs, vnni):                            # fp32 weights: the inputs as they are
+        if x.shape[0] < TILE_MIN_ROWS:
+            few(w, x, out)
+        else:
+            many(w, x, out)
+
+    def quantized(w, x, out, int8_inputs, vnni):
+        if int8_inputs and x.shape[0] < TILE_MIN_ROWS:                   # a few rows: integer dot products
+            integer(w, x, out, vnni)
+        elif x.shape[0] < TILE_MIN_ROWS:
+            few(w, x, out)
+        else:                                                            # tiles: float kernels (on the rounded rows)
+            many(w, round_rows(x) if int8_inputs else x, out)
+    return floats if len(w.types) == 1 else quantized
+
+
+@njit(**SERIAL)
+def linear_into(w, x, out, int8_inputs, vnni):
+    """out [M, O] = x [M, I] times the weight w, given as its `weight_arrays`, M <= SMALL_M. int8_inputs: round x to
+    int8 blocks first (quantized weights only); vnni: whether the integer dot products may use VNNI (intdot.py).
+    Callable from Python and from compiled code (the fused block); the format is chosen when it compiles."""
+    _linear_kernels(w, x, out, int8_inputs, vnni)
+
+
+def linear(x: np.ndarray, w, b: np.ndarray | None = None, int8_inputs: bool = False) -> np.ndarray:
+    """The fast twin of ops.linear: x [M, I] times w (float32 array or a quantized weight) -> [M, O]."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.shape[0] > SMALL_M:
+        return blas.linear(x, w, b, int8_inputs)
+    out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)        # [M, O]
+    linear_into(weight_arrays(w), x, out, int8_inputs and not isinstance(w, np.ndarray), intdot.USE_VNNI)
+    return out if b is None else out + b
+
+
+# --- attention --------------------------------------------------------------------------------------------------
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
+    """Twin of ops.attention. q [T, H, Dh], k, v [S, KVH, Dh] -> [T, H*Dh]."""
+    T, H, Dh = q.shape
+    if T > SMALL_M:
+        return ops.attention(q, k, v, start)
+    out = np.empty((T, H, Dh), dtype=np.float32)                              # [T, H, Dh]
+    # contiguous operands, one compiled version per kernel (without a cache v is a strided view of the qkv rows)
+    q, k, v = np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v)
+    (decode_attention if T <= FEW_TOKENS else causal_attention)(q, k, v, start, out)
+    return out.reshape(T, H * Dh)
+
+
+def paged_attention(q, k_blocks, v_blocks, block_tables, context_lens) -> np.ndarray:
+    """Twin of ops.paged_attention: q [B, H, Dh] against each sequence's blocks, read in place. -> [B, H*Dh]"""
+    B, H, Dh = q.shape
+    out = np.empty((B, H, Dh), dtype=np.float32)                              # [B, H, Dh]
+    paged_decode_attention(np.ascontiguousarray(q, dtype=np.float32), k_blocks, v_blocks,
+                           np.ascontiguousarray(block_tables, dtype=np.int32),
+                           np.ascontiguousarray(context_lens, dtype=np.int32), out)
+    return out.reshape(B, H * Dh)
+
+
+# --- the small per-token ops -----------------------------------------------------------------------------------
+def swiglu(gate_up: np.ndarray) -> np.ndarray:
+    """Twin of ops.swiglu: silu(gate) * up. [T, 2F] -> [T, F]"""
+    out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=np.float32)
+    # threads only where the linears run in Numba too: next to BLAS (more than SMALL_M rows) the pools would fight
+    (swiglu_rows_into if 4 <= out.shape[0] <= SMALL_M else swiglu_into)(gate_up, out)
+    return out

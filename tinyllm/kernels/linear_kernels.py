@@ -1,0 +1,342 @@
+"""Linear kernels: out[m, o] = sum_i W[o, i] * x[m, i] for a few rows of x (decode, batches, short prompts).
+
+Why they are hot: a decode step multiplies one token's vector by every weight matrix, so its time is the time to
+stream the weights from memory. These kernels read the stored bytes (fp32, int8 or packed 4-bit) and dequantize in
+registers, never building an fp32 copy of a weight; output rows are independent dot products spread over the cores.
+
+A weight comes in as the tuple of its arrays (`weight_arrays`): (w,) fp32, (q, scale [O]) int8 per row,
+(q, scale [O, I/32]) int8 per block, (packed, d, m) 4-bit. Two kernel families by input:
+  * float inputs: `linear_rows` / `linear_tiled` (fp32 and both int8 formats: the format is picked when they
+    compile) and `linear_q4`;
+  * inputs rounded to int8 blocks: `linear_int8_a8` and `linear_q4_a8`, whose per-row dot products are the
+    integer ones of intdot.py.
+Which kernel runs for how many rows is decided in dispatch.py.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+from numba.extending import overload
+
+from ..quant import BLOCK
+from .intdot import (dot_int8, dot_int8_block, dot_int8_block_reference, dot_int8_reference, dot_q4,
+                     dot_q4_reference)
+from .numerics import PARALLEL, SERIAL
+
+# Work is split over the cores by blocks of OUT_BLOCK weight rows; a block's rows stay in cache while every input
+# row passes over them, so a batch of M rows costs about one read of the weights.
+OUT_BLOCK = 16
+# From this many input rows on, the 8-bit family works in 4 x 4 tiles (16 sums in registers: each loaded weight
+# feeds 4 multiply-adds). Below it one weight row streams at a time, reused from L1 for the few input rows, which
+# keeps the read of the weights sequential (RESULTS.md, "Kernel design measurements").
+TILE_MIN_ROWS = 8
+
+
+def weight_arrays(w) -> tuple:
+    """A weight (a float32 array or a quant.QuantizedWeight) as the tuple of arrays the compiled code takes."""
+    return (w,) if isinstance(w, np.ndarray) else w.arrays
+
+
+# --- the 8-bit family: what differs between fp32, int8 per row and int8 per block ----------------------------
+# Each helper below is written twice: its Python body runs under NUMBA_DISABLE_JIT=1, and its @overload is the
+# version compiled code calls, specialised to the weight's format when the kernel compiles.
+def _weight(w, o, i):
+    """W[o, i] as float32, before the row's scale (`_row_scale`)."""
+    if len(w) == 1:
+        return w[0][o, i]
+    return np.float32(w[0][o, i]) if w[1].ndim == 1 else w[1][o, i >> 5] * np.float32(w[0][o, i])
+
+
+def _row_scale(w, o):
+    """The factor every dot product of row o is multiplied by at the end."""
+    return w[1][o] if len(w) == 2 and w[1].ndim == 1 else np.float32(1.0)
+
+
+@overload(_weight, inline="always")
+def _weight_typed(w, o, i):
+    if len(w.types) == 1:                                               # fp32
+        return lambda w, o, i: w[0][o, i]
+    if w.types[1].ndim == 1:                                            # int8, one scale per row
+        return lambda w, o, i: np.float32(w[0][o, i])
+    return lambda w, o, i: w[1][o, i >> 5] * np.float32(w[0][o, i])    # int8, one scale per block of 32
+
+
+@overload(_row_scale, inline="always")
+def _row_scale_typed(w, o):
+    if len(w.types) == 2 and w.types[1].ndim == 1:
+        return lambda w, o: w[1][o]
+    return lambda w, o: np.float32(1.0)
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _rows_from(w, x, out, o, m):
+    """out[m:, o]: weight row o against input rows m .. M-1, two at a time (the second reads the row from L1)."""
+    M, I = x.shape
+    s = _row_scale(w, o)
+    while m + 2 <= M:
+        a0 = a1 = np.float32(0.0)
+        for i in range(I):
+            wi = _weight(w, o, i)
+            a0 += wi * x[m, i]
+            a1 += wi * x[m + 1, i]
+        out[m, o], out[m + 1, o] = a0 * s, a1 * s
+        m += 2
+    if m < M:
+        acc = np.float32(0.0)
+        for i in range(I):
+            acc += _weight(w, o, i) * x[m, i]
+        out[m, o] = acc * s
+
+
+@njit(**PARALLEL)
+def linear_rows(w, x, out):
+    """w: an fp32, int8 or int8-block [O, I] weight's arrays; x [M, I] -> out [M, O], for M < TILE_MIN_ROWS: one
+    weight row at a time, streamed from memory once for all the input rows."""
+    for o in prange(w[0].shape[0]):
+        _rows_from(w, x, out, o, 0)
+
+
+@njit(**PARALLEL)
+def linear_tiled(w, x, out):
+    """The same for M >= TILE_MIN_ROWS, in 4 x 4 tiles (4 weight rows x 4 input rows) within blocks of OUT_BLOCK
+    weight rows; the rows no tile covers as in linear_rows."""
+    O, I = w[0].shape
+    M = x.shape[0]
+    M4 = M - M % 4                                              # input rows covered by tiles
+    for blk in prange((O + OUT_BLOCK - 1) // OUT_BLOCK):
+        o0 = blk * OUT_BLOCK
+        o1 = min(O, o0 + OUT_BLOCK)
+        o4 = o0 + (o1 - o0) // 4 * 4
+        for m in range(0, M4, 4):                               # 4 x 4 tiles
+            for o in range(o0, o4, 4):
+                a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = np.float32(0.0)
+                a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = np.float32(0.0)
+                for i in range(I):
+                    x0, x1, x2, x3 = x[m, i], x[m + 1, i], x[m + 2, i], x[m + 3, i]
+                    w0, w1 = _weight(w, o, i), _weight(w, o + 1, i)
+                    w2, w3 = _weight(w, o + 2, i), _weight(w, o + 3, i)
+                    a00 += w0 * x0; a01 += w0 * x1; a02 += w0 * x2; a03 += w0 * x3      # noqa: E702
+                    a10 += w1 * x0; a11 += w1 * x1; a12 += w1 * x2; a13 += w1 * x3      # noqa: E702
+                    a20 += w2 * x0; a21 += w2 * x1; a22 += w2 * x2; a23 += w2 * x3      # noqa: E702
+                    a30 += w3 * x0; a31 += w3 * x1; a32 += w3 * x2; a33 += w3 * x3      # noqa: E702
+                s0, s1, s2, s3 = _row_scale(w, o), _row_scale(w, o + 1), _row_scale(w, o + 2), _row_scale(w, o + 3)
+                out[m, o], out[m + 1, o], out[m + 2, o], out[m + 3, o] = a00 * s0, a01 * s0, a02 * s0, a03 * s0
+                out[m, o + 1], out[m + 1, o + 1], out[m + 2, o + 1] = a10 * s1, a11 * s1, a12 * s1
+                out[m + 3, o + 1], out[m, o + 2], out[m + 1, o + 2] = a13 * s1, a20 * s2, a21 * s2
+                out[m + 2, o + 2], out[m + 3, o + 2], out[m, o + 3] = a22 * s2, a23 * s2, a30 * s3
+                out[m + 1, o + 3], out[m + 2, o + 3], out[m + 3, o + 3] = a31 * s3, a32 * s3, a33 * s3
+        for o in range(o0, o1):                                 # what no tile covered
+            _rows_from(w, x, out, o, M4 if o < o4 else 0)
+
+
+# --- 4-bit weights, float inputs --------------------------------------------------------------------------------
+@njit(fastmath=True, cache=True, inline="always")
+def _nibbles(byte):
+    """A packed byte -> its (low, high) 4-bit values as floats. In float arithmetic: Numba widens integer shifts
+    on uint8 to 64-bit lanes, which halves the vector width."""
+    f = np.float32(byte)
+    hi = np.floor(f * np.float32(0.0625))
+    return f - np.float32(16.0) * hi, hi
+
+
+@njit(**PARALLEL)
+def linear_q4(w, x, out):
+    """w = (packed [O, I/2] uint8 in Q4_1 nibble order, d, mins [O, I/32]); x [M, I] -> out [M, O].
+
+    Two rearrangements keep the inner loop a plain contiguous multiply-add:
+      * sum_j (d*q_j + m) * x_j = d * sum_j q_j x_j + m * sum_j x_j: the block sums of x are computed once per
+        input row (xsum), not once per weight row;
+      * byte k of block b holds values 32b+k (low nibble) and 32b+16+k (high): x is split once into
+        xlo[16b+k] = x[32b+k] and xhi[16b+k] = x[32b+16+k], which line up with byte 16b+k.
+    From TILE_MIN_ROWS rows on, tiles of 2 weight rows x 4 input rows (4 x 4 runs out of registers).
+    """
+    packed, d, mins = w
+    O, half = packed.shape
+    M = x.shape[0]
+    nb = half // 16
+    xlo = np.empty((M, half), dtype=np.float32)                  # [M, I/2]
+    xhi = np.empty((M, half), dtype=np.float32)                  # [M, I/2]
+    xsum = np.zeros((M, nb), dtype=np.float32)                   # [M, I/32]
+    for m in range(M):
+        for b in range(nb):
+            for k in range(16):
+                xlo[m, b * 16 + k] = x[m, b * 32 + k]
+                xhi[m, b * 16 + k] = x[m, b * 32 + 16 + k]
+                xsum[m, b] += x[m, b * 32 + k] + x[m, b * 32 + 16 + k]
+    M4 = M - M % 4 if M >= TILE_MIN_ROWS else 0                 # input rows covered by tiles
+    for blk in prange((O + OUT_BLOCK - 1) // OUT_BLOCK):
+        o0 = blk * OUT_BLOCK
+        o1 = min(O, o0 + OUT_BLOCK)
+        o2 = o0 + (o1 - o0) // 2 * 2
+        for m in range(0, M4, 4):
+            for o in range(o0, o2, 2):
+                a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = np.float32(0.0)
+                for i in range(half):
+                    lo0, hi0 = _nibbles(packed[o, i])
+                    lo1, hi1 = _nibbles(packed[o + 1, i])
+                    d0, d1 = d[o, i >> 4], d[o + 1, i >> 4]
+                    lo0, hi0, lo1, hi1 = d0 * lo0, d0 * hi0, d1 * lo1, d1 * hi1     # the weights, minus m
+                    a00 += lo0 * xlo[m, i] + hi0 * xhi[m, i]
+                    a01 += lo0 * xlo[m + 1, i] + hi0 * xhi[m + 1, i]
+                    a02 += lo0 * xlo[m + 2, i] + hi0 * xhi[m + 2, i]
+                    a03 += lo0 * xlo[m + 3, i] + hi0 * xhi[m + 3, i]
+                    a10 += lo1 * xlo[m, i] + hi1 * xhi[m, i]
+                    a11 += lo1 * xlo[m + 1, i] + hi1 * xhi[m + 1, i]
+                    a12 += lo1 * xlo[m + 2, i] + hi1 * xhi[m + 2, i]
+                    a13 += lo1 * xlo[m + 3, i] + hi1 * xhi[m + 3, i]
+                for b in range(nb):                             # the minimums' share: m * sum of x over the block
+                    a00 += mins[o, b] * xsum[m, b]
+                    a01 += mins[o, b] * xsum[m + 1, b]
+                    a02 += mins[o, b] * xsum[m + 2, b]
+                    a03 += mins[o, b] * xsum[m + 3, b]
+                    a10 += mins[o + 1, b] * xsum[m, b]
+                    a11 += mins[o + 1, b] * xsum[m + 1, b]
+                    a12 += mins[o + 1, b] * xsum[m + 2, b]
+                    a13 += mins[o + 1, b] * xsum[m + 3, b]
+                out[m, o], out[m + 1, o], out[m + 2, o], out[m + 3, o] = a00, a01, a02, a03
+                out[m, o + 1], out[m + 1, o + 1], out[m + 2, o + 1], out[m + 3, o + 1] = a10, a11, a12, a13
+        for o in range(o0, o1):                                 # what no tile covered: one dot at a time
+            for m in range(M4 if o < o2 else 0, M):
+                acc = np.float32(0.0)
+                for i in range(half):
+                    lo, hi = _nibbles(packed[o, i])
+                    acc += d[o, i >> 4] * (lo * xlo[m, i] + hi * xhi[m, i])
+                for b in range(nb):
+                    acc += mins[o, b] * xsum[m, b]
+                out[m, o] = acc
+
+
+# --- inputs rounded to int8 blocks ------------------------------------------------------------------------------
+# fastmath flags that still let max() vectorise but keep x / scale exact, so rounding matches quant.py's
+_EXACT_DIVIDE = {"nnan", "ninf", "nsz"}
+
+
+@njit(fastmath=_EXACT_DIVIDE, cache=True, nogil=True)
+def quantize_rows(x):
+    """x [M, I] -> (xq [M, I] int8, xabs = |xq| [M, I] int8, xs [M, ceil(I/32)] block scales): the twin of
+    quant.quantize_activations, rounding identically."""
+    M, I = x.shape
+    nb = (I + BLOCK - 1) // BLOCK
+    xq, xabs = np.empty((M, I), np.int8), np.empty((M, I), np.int8)
+    xs = np.empty((M, nb), np.float32)
+    v = np.empty(BLOCK, np.float32)
+    for m in range(M):
+        for b in range(nb):
+            i0 = b * BLOCK
+            n = min(I - i0, BLOCK)
+            amax = np.float32(0.0)
+            for j in range(n):
+                amax = max(amax, abs(x[m, i0 + j]))
+            s = amax / np.float32(127.0) if amax > 0 else np.float32(1.0)
+            for j in range(n):                          # three simple loops, so that each one vectorises
+                v[j] = min(max(np.rint(x[m, i0 + j] / s), np.float32(-127.0)), np.float32(127.0))
+            for j in range(n):
+                xq[m, i0 + j] = np.int8(v[j])
+                xabs[m, i0 + j] = np.int8(abs(v[j]))
+            xs[m, b] = s
+    return xq, xabs, xs
+
+
+@njit(fastmath=_EXACT_DIVIDE, cache=True, nogil=True)
+def round_rows(x):
+    """x [M, I] -> the rounded rows as float32 (xq * xs): what the float kernels multiply for int8 inputs."""
+    xq, _, xs = quantize_rows(x)
+    xr = np.empty(x.shape, np.float32)                          # [M, I]
+    for m in range(x.shape[0]):
+        for i in range(x.shape[1]):
+            xr[m, i] = np.float32(xq[m, i]) * xs[m, i // BLOCK]
+    return xr
+
+
+def _int8_row_dot(w, o, xq, xabs, xs, vnni):
+    """Row o of an int8 weight (w = (q, scale)) times one rounded input row, scales applied (Python body: the
+    reference dot products, as a CPU without VNNI runs them)."""
+    q, I = w[0], w[0].shape[1]
+    if w[1].ndim == 2:
+        return dot_int8_block_reference(q, o, w[1], xq, xabs, xs)
+    full = I // BLOCK * BLOCK
+    tail = sum(int(q[o, i]) * int(xq[i]) for i in range(full, I))
+    return (dot_int8_reference(q, o, xq, xabs, xs) + np.float32(tail) * xs[-1]) * w[1][o]
+
+
+@overload(_int8_row_dot, inline="always")
+def _int8_row_dot_typed(w, o, xq, xabs, xs, vnni):
+    if w.types[1].ndim == 2:                                            # one scale per block
+        def per_block(w, o, xq, xabs, xs, vnni):
+            if vnni:
+                return dot_int8_block(w[0], o, w[1], xq, xabs, xs)
+            return dot_int8_block_reference(w[0], o, w[1], xq, xabs, xs)
+        return per_block
+
+    def per_row(w, o, xq, xabs, xs, vnni):                             # one scale per row; any width
+        q, I = w[0], w[0].shape[1]
+        acc = dot_int8(q, o, xq, xabs, xs) if vnni else dot_int8_reference(q, o, xq, xabs, xs)
+        full = I // BLOCK * BLOCK
+        if full < I:                                                    # a last block shorter than 32
+            tail = 0
+            for i in range(full, I):
+                tail += np.int64(q[o, i]) * np.int64(xq[i])
+            acc += np.float32(tail) * xs[xs.shape[0] - 1]
+        return acc * w[1][o]
+    return per_row
+
+
+@njit(**PARALLEL)
+def linear_int8_a8(w, x, out, vnni):
+    """w = (q [O, I] int8, scale [O] or [O, I/32]); x [M, I] is rounded to int8 blocks here -> out [M, O], each
+    dot product in integers (the VNNI intrinsics if vnni, else their reference bodies)."""
+    xq, xabs, xs = quantize_rows(x)
+    for o in prange(w[0].shape[0]):
+        for m in range(xq.shape[0]):
+            out[m, o] = _int8_row_dot(w, o, xq[m], xabs[m], xs[m], vnni)
+
+
+@njit(**SERIAL)
+def _pair_layout(xq, xs):
+    """What dot_q4 reads, per rounded input row (see intdot.py): xpair [M, I] (each pair of blocks' middle quarters
+    swapped; an odd last block as it is), xs8 and xsum8 [M, I/64, 8] (each lane's block scale, and the sum of the 8
+    values the lane multiplies, times that scale)."""
+    M, nb = xs.shape
+    n_pairs = nb // 2
+    xpair = xq.copy()                                       # [M, I]
+    xs8 = np.empty((M, n_pairs, 8), np.float32)             # [M, I/64, 8]
+    xsum8 = np.empty((M, n_pairs, 8), np.float32)           # [M, I/64, 8]
+    for m in range(M):
+        for p in range(n_pairs):
+            i = 2 * BLOCK * p
+            for j in range(16):
+                xpair[m, i + 16 + j] = xq[m, i + 32 + j]
+                xpair[m, i + 32 + j] = xq[m, i + 16 + j]
+            for lane in range(8):
+                s = 0
+                for j in range(4 * lane, 4 * lane + 4):
+                    s += np.int32(xpair[m, i + j]) + np.int32(xpair[m, i + 32 + j])
+                xs8[m, p, lane] = xs[m, 2 * p + lane // 4]
+                xsum8[m, p, lane] = np.float32(s) * xs8[m, p, lane]
+    return xpair, xs8, xsum8
+
+
+@njit(**PARALLEL)
+def linear_q4_a8(w, x, out, vnni):
+    """w = (packed [O, I/2], d, mins [O, I/32]); x [M, I] is rounded to int8 blocks here -> out [M, O], the blocks
+    in pairs through dot_q4 (or its reference body), an odd last block here."""
+    packed, d, mins = w
+    xq, _, xs = quantize_rows(x)
+    xpair, xs8, xsum8 = _pair_layout(xq, xs)
+    M, nb = xs.shape
+    last = nb - 1                                           # the unpaired block when nb is odd
+    for o in prange(packed.shape[0]):
+        for m in range(M):
+            if vnni:
+                acc = dot_q4(packed, o, d, mins, xpair[m], xs8[m], xsum8[m])
+            else:
+                acc = dot_q4_reference(packed, o, d, mins, xpair[m], xs8[m], xsum8[m])
+            if nb % 2:
+                isum, xsum = 0, 0
+                for j in range(16):
+                    byte = np.int32(packed[o, 16 * last + j])
+                    lo, hi = np.int32(xq[m, BLOCK * last + j]), np.int32(xq[m, BLOCK * last + 16 + j])
+                    isum += (byte & 15) * lo + (byte >> 4) * hi
+                    xsum += lo + hi
+                acc += xs[m, last] * (d[o, last] * np.float32(isum) + mins[o, last] * np.float32(xsum))
+            out[m, o] = acc

@@ -1,0 +1,74 @@
+"""Compiling the kernels before the first request, on tiny inputs typed and laid out as the model passes them.
+
+Numba compiles a kernel for each new combination of argument types on its first call, and caches the result on
+disk (`cache=True`), so only the first run of a fresh install pays for it. `warmup` makes that first call happen
+at load time (a new array layout mid-request would mean a compile in the middle of a generation).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..quant import BLOCK, Int8Block, Int8Channel, Q4Block, quantize
+from .block import _decode_block
+from .dispatch import FEW_TOKENS, FUSED_ROWS, attention, linear, paged_attention, swiglu
+from .linear_kernels import TILE_MIN_ROWS, weight_arrays
+from .pointwise import apply_rope, rmsnorm
+
+FORMATS = {np.ndarray: None, Int8Channel: "int8", Int8Block: "int8-block", Q4Block: "q4_1"}
+_done: set = set()
+
+
+def _matrix(fmt: str | None, rows: int):
+    """A [rows, 32] weight of format fmt (None: float32)."""
+    w = np.ones((rows, BLOCK), np.float32)
+    return w if fmt is None else quantize(w, fmt)
+
+
+def _warm_decode_block(fmt: str | None) -> None:
+    H, KVH, Dh = 2, 1, BLOCK // 2                                   # so every matrix is [*, 32]: one block wide
+    x, norm, trig = np.ones((1, BLOCK), np.float32), np.ones(BLOCK, np.float32), np.ones((1, Dh // 2), np.float32)
+    kv = np.zeros((4, KVH, Dh), np.float32)                         # [S_max, KVH, Dh]
+    mats = [weight_arrays(_matrix(fmt, rows)) for rows in ((H + 2 * KVH) * Dh, BLOCK, 2 * BLOCK, BLOCK)]
+    _decode_block(x, norm, norm, *mats, False, False, kv, kv, 0, trig, trig, H, 1e-5)
+
+
+def warmup(weight_types=tuple(FORMATS)) -> float:
+    """Compile (or load from Numba's cache) what a model holding these weight classes needs. -> seconds it took."""
+    t0 = time.perf_counter()
+    x = np.ones((1, BLOCK), dtype=np.float32)
+    for t in weight_types:
+        if t in _done:
+            continue
+        fmt = FORMATS[t]
+        for int8_inputs in (False, True) if fmt else (False,):      # either activations setting
+            for rows in (1, TILE_MIN_ROWS):                         # the one-row and the tiled kernels
+                linear(np.ones((rows, BLOCK), np.float32), _matrix(fmt, 2), int8_inputs=int8_inputs)
+        if FUSED_ROWS:
+            _warm_decode_block(fmt)
+        _done.add(t)
+    if "ops" not in _done:
+        for T in (2, FEW_TOKENS + 1):                               # decode_attention, then causal_attention
+            kv = np.ones((T + 1, 1, 4), dtype=np.float32)
+            attention(np.ones((T, 2, 4), np.float32), kv, kv, 1)
+        rmsnorm(x, x[0], 1e-5)
+        for T in (1, 2):            # q and k are views of the qkv rows: contiguous for one row, strided for more
+            qkv = np.ones((T, 16), dtype=np.float32)
+            apply_rope(qkv[:, :8].reshape(T, 2, 4), np.ones((T, 2), np.float32), np.ones((T, 2), np.float32))
+        swiglu(np.ones((1, 4), np.float32))
+        swiglu(np.ones((4, 4), np.float32))                        # the parallel form, for batches
+        _done.add("ops")
+    return time.perf_counter() - t0
+
+
+def warmup_paged() -> float:
+    """Compile (or load) the batched paged-attention kernel: PagedKVCache calls it when a pool is made, so only
+    users of a paged pool pay for it. -> seconds it took (0 if done already)."""
+    if "paged" in _done:
+        return 0.0
+    t0 = time.perf_counter()
+    blocks = np.ones((2, 2, 1, 4), dtype=np.float32)                # [NB, BS, KVH, Dh]
+    paged_attention(np.ones((2, 2, 4), np.float32), blocks, blocks, np.zeros((2, 1), np.int32), np.ones(2, np.int32))
+    _done.add("paged")
+    return time.perf_counter() - t0
