@@ -214,7 +214,8 @@ def cmd_batching(args) -> None:
 # --- calibration: the roofline against this machine -----------------------------------------------------------
 def cmd_calibrate(args) -> None:
     """Measure the roofs, then predict and measure tinyllm's decode steps and prefills (a benchmark: run it on a
-    quiet machine)."""
+    quiet machine). The compute roof is numpy's float32 sgemm; a decode step with int8 activations multiplies in
+    integers, which that roof does not bound, so its prediction is the memory time alone."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import numpy as np
     import tinyllm
@@ -226,8 +227,6 @@ def cmd_calibrate(args) -> None:
     print(f"this machine, {args.threads} thread(s): read bandwidth {bandwidth / 1e9:.1f} GB/s, sgemm 2048^3 "
           f"{peak / 1e9:.0f} GFLOP/s (ridge {peak / bandwidth:.1f} FLOP/byte)")
     rng = np.random.default_rng(0)
-    header = (f"  {'phase':<8}{'context':>8}{'batch':>6}{'MB read':>9}{'GFLOP':>8}  {'bound':<8}"
-              f"{'predicted ms':>13}{'measured ms':>12}{'measured/predicted':>20}")
     for fmt in args.formats:
         quant, _, a8 = fmt.partition("+")
         try:
@@ -237,32 +236,35 @@ def cmd_calibrate(args) -> None:
             fail(f"format {fmt!r}: {e}")
         c = model.config
         print(f"\n{fmt}: {model.weight_bytes / 1e6:.1f} MB of weights, {c.kv_bytes_per_token():,} B of KV per token")
-        print(header)
-        decode_points = []
+        print(f"  {'phase':<8}{'context':>8}{'batch':>6}{'tokens':>7}{'MB read':>9}{'GFLOP':>8}{'bytes/bw ms':>12}"
+              f"{'FLOP/peak ms':>13}{'predicted':>10}{'measured':>9}{'ratio':>7}")
+        decode_points, verdicts = [], []
+
+        def report(phase, S, B, T, nbytes, flops, compute_peak, measured):
+            memory_s, compute_s = nbytes / bandwidth, flops / compute_peak
+            predicted = memory_s if a8 and phase == "decode" else max(memory_s, compute_s)
+            print(f"  {phase:<8}{S:>8}{B:>6}{T:>7}{nbytes / 1e6:9.1f}{flops / 1e9:8.2f}{memory_s * 1e3:12.2f}"
+                  f"{compute_s * 1e3:13.2f}{predicted * 1e3:10.2f}{measured * 1e3:9.2f}{measured / predicted:7.2f}")
+            if fmt == "fp32" and B == 1:
+                verdicts.append(f"{phase} at {S if phase == 'decode' else T}: {measured / predicted - 1:+.0%}")
+            return predicted
+
         for S in args.contexts:
             for B in args.batches:
-                nbytes, flops = roofline.decode_bytes(model, S, B), roofline.decode_flops(model, S, B)
-                predicted = capacity.roofline_time(bytes_moved=nbytes, flops=flops, bandwidth=bandwidth,
-                                                   peak_flops=peak)
                 measured = roofline.decode_step_time(model, S, args.steps, rng, batch=B)
+                predicted = report("decode", S, B, 1, roofline.decode_bytes(model, S, B),
+                                   roofline.decode_flops(model, S, B), peak, measured)
                 decode_points.append((predicted, measured))
-                print(row("decode", S, B, nbytes, flops, bandwidth, peak, predicted, measured))
         for T in args.prompts:
             shaped_peak = roofline.sgemm_gflops(T, c.dim, c.ffn_dim, repeats=args.repeats) * 1e9
-            nbytes, flops = model.weight_bytes + T * c.kv_bytes_per_token(), roofline.prefill_flops(model, T)
-            predicted = capacity.roofline_time(bytes_moved=nbytes, flops=flops, bandwidth=bandwidth,
-                                               peak_flops=shaped_peak)
             measured = roofline.prefill_time(model, T, args.repeats, rng)
-            print(row("prefill", 0, T, nbytes, flops, bandwidth, shaped_peak, predicted, measured)
-                  + f"  (sgemm at {T}x{c.dim}x{c.ffn_dim}: {shaped_peak / 1e9:.0f} GFLOP/s)")
+            report("prefill", 0, 1, T, model.weight_bytes + T * c.kv_bytes_per_token(),
+                   roofline.prefill_flops(model, T), shaped_peak, measured)
+            print(f"  (prefill's compute roof: sgemm at its shape {T}x{c.dim}x{c.ffn_dim}, "
+                  f"{shaped_peak / 1e9:.0f} GFLOP/s)")
+        if verdicts:
+            print("  fp32 batch 1, measured vs predicted (target: within 20%): " + "; ".join(verdicts))
         print("  " + fixed_cost(decode_points))
-
-
-def row(phase, S, B, nbytes, flops, bandwidth, peak, predicted, measured) -> str:
-    bound = "memory" if nbytes / bandwidth >= flops / peak else "compute"
-    label = (f"{S:>8}{B:>6}" if phase == "decode" else f"{'-':>8}{B:>6}")     # prefill: the prompt length as batch
-    return (f"  {phase:<8}{label}{nbytes / 1e6:9.1f}{flops / 1e9:8.2f}  {bound:<8}{predicted * 1e3:13.2f}"
-            f"{measured * 1e3:12.2f}{measured / predicted:20.2f}")
 
 
 def fixed_cost(points: list[tuple[float, float]]) -> str:
