@@ -19,6 +19,7 @@ suffixes: 14GB = 14e9 bytes, 80GiB = 80 x 2^30, 2TB (per second) = 2e12, 200T (F
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from pathlib import Path
@@ -221,8 +222,11 @@ def cmd_calibrate(args) -> None:
     import tinyllm
     import roofline                                               # the measuring helpers of the roofline report
 
-    tinyllm.set_threads(args.threads)
-    bandwidth = roofline.read_bandwidth(args.threads, repeats=args.repeats, mib=args.bandwidth_mib) * 1e9
+    try:
+        tinyllm.set_threads(args.threads)
+        bandwidth = roofline.read_bandwidth(args.threads, repeats=args.repeats, mib=args.bandwidth_mib) * 1e9
+    except ValueError as e:                                       # more threads than cores or NUMBA_NUM_THREADS
+        fail(f"--threads {args.threads}: {e}")
     peak = roofline.sgemm_gflops(2048, 2048, 2048, repeats=args.repeats) * 1e9
     print(f"this machine, {args.threads} thread(s): read bandwidth {bandwidth / 1e9:.1f} GB/s, sgemm 2048^3 "
           f"{peak / 1e9:.0f} GFLOP/s (ridge {peak / bandwidth:.1f} FLOP/byte)")
@@ -340,7 +344,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=positive_int, default=16, help="decode steps per measurement (median)")
     p.add_argument("--repeats", type=positive_int, default=5, help="repeats of the roofs and of each prefill")
     p.add_argument("--bandwidth-mib", type=positive_int, default=1024, help="size of the bandwidth test array")
-    p.add_argument("--threads", type=positive_int, default=2)
+    p.add_argument("--threads", type=positive_int, default=min(2, os.cpu_count() or 1))
     args = parser.parse_args(argv)
 
     if args.command == "spend":
