@@ -19,6 +19,7 @@ suffixes: 14GB = 14e9 bytes, 80GiB = 80 x 2^30, 2TB (per second) = 2e12, 200T (F
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -46,7 +47,8 @@ def amount(text: str) -> float:
     """'14GB' -> 14e9, '80GiB' -> 80 * 2**30, '200T' -> 2e14, '2e12' -> 2e12 ('/s' and 'FLOP' are ignored)."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*([kKMGTP]?)(i?)(?:B|FLOPS?)?(?:/s)?\s*", text)
     if not m:
-        raise argparse.ArgumentTypeError(f"cannot read {text!r} as an amount; write e.g. 14GB, 80GiB, 2TB, 200T or 2e12")
+        raise argparse.ArgumentTypeError(f"cannot read {text!r} as an amount; write e.g. 14GB, 80GiB, 2TB, 200T "
+                                         f"or 2e12")
     number, prefix, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
     return number * (1024 if binary else 1000) ** " KMGTP".index(prefix or " ")
 
@@ -80,7 +82,6 @@ def file_shape(path: Path, fmt: str) -> ModelShape:
     or 'native' (the bytes the GGUF file stores its tensors in)."""
     from tinyllm.gguf import GGUFError, GGUFFile
     from tinyllm.weights import CheckpointError, gguf_config, hf_config
-    import json
     try:
         if path.is_dir():
             if fmt == "native":
@@ -115,7 +116,8 @@ def model_shape(args) -> ModelShape:
 def describe(shape: ModelShape, args) -> str:
     ridge = capacity.ridge_point(peak_flops=args.peak_flops, bandwidth=args.bandwidth)
     return (f"model: {shape.name}: {shape.layers} layers x {shape.kv_heads} KV heads x head_dim {shape.head_dim}, "
-            f"{shape.params:.4g} params, weights {shape.weight_bytes / 1e9:.4g} GB ({shape.weight_bytes / GiB:.4g} GiB), "
+            f"{shape.params:.4g} params, weights {shape.weight_bytes / 1e9:.4g} GB "
+            f"({shape.weight_bytes / GiB:.4g} GiB), "
             f"KV {shape.kv_bytes_per_value:g} B per value\nhardware: {rate(args.bandwidth, 'B/s')}, "
             f"{rate(args.peak_flops, 'FLOP/s')} (ridge {ridge:.3g} FLOP/byte), {args.memory / GiB:.4g} GiB, "
             f"{args.usable:.0%} usable")

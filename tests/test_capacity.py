@@ -84,8 +84,9 @@ def test_concurrent_sequences_on_an_80_gib_device():
     come out (the same weights counted as 14e9 bytes give 120 and 483 at 1,000 tokens); the roofline figures
     above, in contrast, use 14e9 bytes (14 GB / 2 TB/s = 7 ms)."""
     def fits(shape, context, weights):
+        kv = capacity.kv_bytes_per_token(**shape)
         return capacity.max_concurrent_sequences(memory_bytes=80 * GiB, usable_fraction=0.9, weight_bytes=weights,
-                                                 context=context, kv_bytes_per_token=capacity.kv_bytes_per_token(**shape))
+                                                 context=context, kv_bytes_per_token=kv)
     assert fits(A, 4096, 14 * GiB) == 29
     assert fits(A, 1000, 14 * GiB) == 118                # full multi-head attention
     assert fits(A_GQA, 1000, 14 * GiB) == 475            # 8 KV heads: 4x the sequences (nearly)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
+
 from .config import ModelConfig
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
@@ -229,7 +231,6 @@ class _StubModel:
                                   context_length=1 << 20, name="stub")
 
     def forward_batch(self, seqs, caches, last_only=True):
-        import numpy as np
         for ids, cache in zip(seqs, caches):
             cache.check_room(len(ids))
             cache.length += len(ids)
@@ -255,7 +256,8 @@ class BatchingRun:
         done = "  ".join(f"{name}:{t}" for name, t in self.finished.items())
         mean = sum(self.latency.values()) / len(self.latency)
         lines.append(f"  finished at step: {done}")
-        lines.append(f"  all done at step {max(self.finished.values())}, mean completion {mean:.1f} steps")
+        lines.append(f"  all done at step {max(self.finished.values())}, mean completion (finish - arrival) "
+                     f"{mean:.1f} steps")
         return "\n".join(lines)
 
 
@@ -264,7 +266,7 @@ def simulate_batching(requests: list[SimRequest], *, slots: int, policy: str,
     """Run `requests` through tinyllm's Engine (its Scheduler decides everything) on a stub model and a clock that
     counts steps, with `slots` sequences at most per step. A prompt longer than the step's token budget is
     prefilled in chunks over several steps (lower-case letters)."""
-    from .engine import Engine
+    from .engine import Engine                                    # imported here: it compiles the paged kernels
 
     if slots < 1:
         raise ValueError(f"need at least one slot, got {slots}")
