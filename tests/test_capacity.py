@@ -194,6 +194,8 @@ def test_long_prompts_are_chunked_and_late_arrivals_wait():
 def test_bad_simulation_input():
     with pytest.raises(ValueError, match="distinct single characters"):
         simulate_batching([SimRequest("A", 1), SimRequest("A", 2)], slots=1, policy="static")
+    with pytest.raises(ValueError, match="at least one"):
+        simulate_batching([], slots=1, policy="static")
     with pytest.raises(ValueError, match="policy"):
         simulate_batching([SimRequest("A", 1)], slots=1, policy="fifo")
 

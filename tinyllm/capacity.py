@@ -271,6 +271,8 @@ def simulate_batching(requests: list[SimRequest], *, slots: int, policy: str,
     if slots < 1:
         raise ValueError(f"need at least one slot, got {slots}")
     names = [r.name for r in requests]
+    if not names:
+        raise ValueError("no requests to simulate: give at least one")
     if len(set(names)) != len(names) or any(len(n) != 1 for n in names):
         raise ValueError(f"request names must be distinct single characters, got {names}")
     clock = _StepClock()
