@@ -30,6 +30,7 @@ import tinyllm  # noqa: E402
 import numpy as np  # noqa: E402
 
 from report import machine_info, machine_line, replace_section  # noqa: E402
+from tinyllm import capacity  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 FORMATS = ["fp32", "int8", "int8-block", "q4_1", "int8+a8", "q4_1+a8"]   # +a8: int8 activations too (quant.py)
@@ -47,8 +48,9 @@ def median_time(fn, repeats: int) -> float:
     return float(np.median(times))
 
 
-def read_bandwidth(threads: int, repeats: int = 9) -> float:
-    """GB/s of a streaming read: Numba sums each 4 KiB row of a 1 GiB float32 array, rows split across threads.
+def read_bandwidth(threads: int, repeats: int = 9, mib: int = 1024) -> float:
+    """GB/s of a streaming read: Numba sums each 4 KiB row of a `mib` MiB float32 array (1 GiB: far larger than
+    any cache), rows split across threads.
     The best of `repeats` runs: a roof is what the machine can do, and on a shared machine the median is
     pulled down by whoever else is running."""
     import numba
@@ -61,7 +63,7 @@ def read_bandwidth(threads: int, repeats: int = 9) -> float:
                 s += a[r, j]
             out[r] = s
 
-    a = np.ones((1 << 18, 1024), dtype=np.float32)                  # 1 GiB: far larger than any cache
+    a = np.ones((mib * 256, 1024), dtype=np.float32)                # [rows, 1024]: mib MiB
     out = np.empty(a.shape[0], dtype=np.float32)
     numba.set_num_threads(threads)
     row_sums(a, out)
@@ -80,27 +82,19 @@ def sgemm_gflops(m: int, k: int, n: int, repeats: int = 5) -> float:
     return 2 * m * k * n / median_time(lambda: a @ b.T, repeats) / 1e9
 
 
-# --- model accounting ----------------------------------------------------------------------------------------
-def matrix_params(c) -> int:
-    """Weights that take part in matmuls for every token (all layers' projections)."""
-    return c.n_layers * (c.dim * c.q_dim + 2 * c.dim * c.kv_dim + c.q_dim * c.dim + 3 * c.dim * c.ffn_dim)
-
-
+# --- model accounting: tinyllm/capacity.py counts the bytes and FLOPs ---------------------------------------
 def decode_bytes(model, S: int, batch: int = 1) -> int:
-    """Bytes one decode step reads: every weight once (shared by the batch), plus each sequence's K and V."""
-    return model.weight_bytes + batch * (S + 1) * model.config.kv_bytes_per_token()
+    """Bytes one decode step reads at context S: every weight once, each sequence's S + 1 cached K/V."""
+    return capacity.decode_step_bytes(weight_bytes=model.weight_bytes, batch=batch, context=S + 1,
+                                      kv_bytes_per_token=model.config.kv_bytes_per_token())
 
 
 def decode_flops(model, S: int, batch: int = 1) -> float:
-    c = model.config
-    attention = 2 * 2 * c.n_layers * c.n_heads * c.head_dim * (S + 1)      # q.K and p.V over S+1 positions
-    return batch * (2 * matrix_params(c) + 2 * c.dim * c.vocab_size + attention)
+    return batch * capacity.forward_flops(model.config, tokens=1, past=S)
 
 
 def prefill_flops(model, T: int) -> float:
-    c = model.config
-    attention = 2 * 2 * c.n_layers * c.n_heads * c.head_dim * T * (T + 1) / 2   # causal: half the square
-    return 2 * T * matrix_params(c) + 2 * c.dim * c.vocab_size + attention
+    return capacity.forward_flops(model.config, tokens=T)
 
 
 # --- measurements --------------------------------------------------------------------------------------------
