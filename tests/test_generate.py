@@ -55,6 +55,17 @@ def test_context_end_stops_generation(tiny):
         assert len(prompt) + len(res.token_ids) == 64 + 1   # the last sampled token needs no cache slot
 
 
+def test_ignore_eos_generates_past_the_end_token(tiny):
+    eos = tiny.tokenizer.eos_id
+    stopped = next((seed for seed in range(200) if tinyllm.generate(
+        tiny, "hello", max_new_tokens=20, temperature=3.0, seed=seed).finish_reason == "eos"), None)
+    assert stopped is not None, "no seed met the end token: raise the temperature"
+    short = tinyllm.generate(tiny, "hello", max_new_tokens=20, temperature=3.0, seed=stopped)
+    full = tinyllm.generate(tiny, "hello", max_new_tokens=20, temperature=3.0, seed=stopped, ignore_eos=True)
+    assert full.finish_reason == "length" and len(full.token_ids) == 20
+    assert full.token_ids[:len(short.token_ids) + 1] == short.token_ids + [eos]   # same draws, eos kept as a token
+
+
 def test_prompt_errors(tiny):
     with pytest.raises(ValueError, match="prompt has 64 tokens but the model's context is 64"):
         tinyllm.generate(tiny, list(range(3, 67)), max_new_tokens=1)
