@@ -98,7 +98,7 @@ class Job:
 
 def _typed(body: dict, name: str, kinds, default, rule: str):
     """body[name] if it has one of `kinds` (bool never counts as a number), else 400. Missing or null: default."""
-    value = body.get(name)
+    value, kinds = body.get(name), kinds if isinstance(kinds, tuple) else (kinds,)
     if value is None:
         return default
     if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
