@@ -335,6 +335,17 @@ def test_models_tokenize_health_metrics_and_api_key(running, tiny):
         assert f"tinyllm:{name}" in text
 
 
+@pytest.mark.skipif(not hasattr(time, "pthread_getcpuclockid"), reason="needs per-thread CPU clocks (Linux)")
+def test_engine_thread_sleeps_when_idle(running):
+    srv = running()
+    srv.post("/v1/completions", {"prompt": "hi", "max_tokens": 3})
+    assert srv.idle()
+    clock = time.pthread_getcpuclockid(srv.server.loop.thread.ident)
+    cpu0 = time.clock_gettime(clock)
+    time.sleep(0.5)
+    assert time.clock_gettime(clock) - cpu0 < 0.05                 # blocked on its queue, not spinning
+
+
 # --- SIGTERM ------------------------------------------------------------------------------------------------------
 SLOW_SERVER = """
 import sys, time

@@ -343,6 +343,14 @@ class EngineLoop:
             self.error = e
             return
         self.ready.set()
+        try:
+            self._serve()
+        except BaseException as e:                  # a bug in the loop: fail what is pending, /health turns 500
+            self.error = e
+            for rid in list(self.active):
+                self._end(rid, ("error", 500, f"the engine thread failed: {type(e).__name__}: {e}"))
+
+    def _serve(self) -> None:
         while True:
             # Idle: block on the queue (no spinning). Busy: take whatever arrived, then step.
             block = not self.engine.has_unfinished()
