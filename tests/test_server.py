@@ -346,6 +346,20 @@ def test_engine_thread_sleeps_when_idle(running):
     assert time.clock_gettime(clock) - cpu0 < 0.05                 # blocked on its queue, not spinning
 
 
+def test_load_generator_against_the_server(running):
+    sys.path.append(str(SERVE.parent.parent / "benchmarks"))
+    import load
+    srv = running()
+    s = load.run_once(srv.url, rate=50.0, num_requests=6, max_concurrency=3, prompt_len=(4, 12), output_len=(3, 6))
+    assert s["completed"] == 6 and s["errors"] == 0
+    assert s["ttft_s"]["p50"] > 0 and s["itl_s"]["p95"] >= s["itl_s"]["p50"] > 0 and s["output_throughput"] > 0
+    assert srv.server.engine.counters["generation_tokens"] == sum(
+        r.output_tokens for r in load.make_workload(load.RemoteTokenizer(srv.url), 6, 50.0, prompt_len=(4, 12),
+                                                    output="uniform", output_len=(3, 6), seed=0))
+    with pytest.raises(SystemExit, match="only targets 127.0.0.1"):
+        load.check_local("http://example.com:8000")
+
+
 # --- SIGTERM ------------------------------------------------------------------------------------------------------
 SLOW_SERVER = """
 import sys, time
