@@ -163,7 +163,8 @@ def run_once(url: str, rate: float | None, num_requests: int, max_concurrency: i
 def summary_line(s: dict) -> str:
     ms = 1e3
     return (f"rate {s['rate']:g}/s: {s['completed']}/{s['requests']} ok ({s['errors']} errors) in "
-            f"{s['duration_s']:.1f} s | {s['output_throughput']:.1f} out tok/s | TTFT p50 {s['ttft_s']['p50'] * ms:.0f} "
+            f"{s['duration_s']:.1f} s | {s['output_throughput']:.1f} out tok/s | "
+            f"TTFT p50 {s['ttft_s']['p50'] * ms:.0f} "
             f"p95 {s['ttft_s']['p95'] * ms:.0f} p99 {s['ttft_s']['p99'] * ms:.0f} ms | ITL p50 "
             f"{s['itl_s']['p50'] * ms:.1f} p95 {s['itl_s']['p95'] * ms:.1f} p99 {s['itl_s']['p99'] * ms:.1f} ms | "
             f"TPOT p50 {s['tpot_s']['p50'] * ms:.1f} ms | e2e p95 {s['e2e_s']['p95']:.2f} s | "
@@ -299,7 +300,8 @@ def report(args) -> None:
                     f"{s['itl_s']['p95'] * ms:.1f} | {s['e2e_s']['p95']:.2f} |" for p, s in res["policies"].items())
     body = f"""## Serving over HTTP: request-rate sweep, static vs continuous, server overhead
 
-`python benchmarks/load.py report` on {machine_line(res['machine'])}. Server: `scripts/serve.py {' '.join(server_args)}`;
+`python benchmarks/load.py report` on {machine_line(res['machine'])}.
+Server: `scripts/serve.py {' '.join(server_args)}`;
 workload: {args.num_requests} requests per point, Poisson arrivals, prompts {args.prompt_len[0]}..{args.prompt_len[1]}
 tokens of real text, outputs {args.output_len[0]}..{args.output_len[1]} tokens (ignore_eos), greedy, at most
 {args.max_concurrency} in flight; the client shares the machine's cores (its CPU share is in the last column).

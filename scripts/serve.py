@@ -69,7 +69,8 @@ def main(argv=None) -> int:
             tinyllm.set_threads(args.threads)
         t0 = time.perf_counter()
         model = tinyllm.load(args.model, quant=args.quant, activations=args.activations)
-        name = args.served_model_name or (Path(args.model).name.split(".")[0] if args.model else "SmolLM2-135M-Instruct")
+        default_name = Path(args.model).name.split(".")[0] if args.model else "SmolLM2-135M-Instruct"
+        name = args.served_model_name or default_name
         options = ServerOptions(model_name=name, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
                                 request_timeout=args.request_timeout, drain_timeout=args.drain_timeout,
                                 api_key=args.api_key)

@@ -327,8 +327,8 @@ class Engine:
         if stop and self.model.tokenizer is None:
             raise ValueError("stop strings need a model with a tokenizer")
         if not isinstance(n, int) or not 1 <= n <= self.scheduler.max_num_seqs:
-            raise ValueError(f"invalid n={n!r}: must be an integer in 1 .. max_num_seqs ({self.scheduler.max_num_seqs}),"
-                             f" since the samples run side by side")
+            raise ValueError(f"invalid n={n!r}: must be an integer in 1 .. max_num_seqs "
+                             f"({self.scheduler.max_num_seqs}), since the samples run side by side")
         if logprobs is not None and (not isinstance(logprobs, int) or not 0 <= logprobs <= V):
             raise ValueError(f"invalid logprobs={logprobs!r}: must be an integer in 0 .. {V} (or None)")
         req = Request(request_id, prompt_ids, params or SamplingParams(), max_tokens,
@@ -409,8 +409,8 @@ class Engine:
         (ref counts, no copy); the first write into a shared block copies it (copy-on-write, paged.py)."""
         child_id = f"{parent.request_id}/{index}"
         seed = parent.params.seed
-        child = Request(child_id, parent.prompt_ids, parent.params, parent.max_tokens, parent.stop_token_ids, parent.stop,
-                        RequestMetrics(parent.metrics.arrival, parent.metrics.first_scheduled,
+        child = Request(child_id, parent.prompt_ids, parent.params, parent.max_tokens, parent.stop_token_ids,
+                        parent.stop, RequestMetrics(parent.metrics.arrival, parent.metrics.first_scheduled,
                                        cached_tokens=parent.metrics.cached_tokens),
                         status="running", num_computed=parent.num_computed, logprobs=parent.logprobs,
                         group=parent.group, index=index)
@@ -441,7 +441,8 @@ class Engine:
         if req.logprobs is not None and logits is not None:
             lp = log_softmax(logits)                              # [V]
             logprob = float(lp[token])
-            best = np.argpartition(-lp, req.logprobs)[:req.logprobs] if req.logprobs < len(lp) else np.arange(len(lp))
+            k = min(req.logprobs, len(lp) - 1)
+            best = np.argpartition(-lp, k)[:req.logprobs]         # [k] the k most likely, in no order
             best = best[np.argsort(-lp[best], kind="stable")]     # [k] most likely first
             top = [(int(i), float(lp[i])) for i in best]
         reason = None
