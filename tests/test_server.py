@@ -4,7 +4,6 @@ overload gives 429, bad input 400, SIGTERM drains, /metrics counts. Tiny random 
 (the official openai client against the default model)."""
 import asyncio
 import json
-import os
 import signal
 import socket
 import subprocess
