@@ -265,10 +265,11 @@ def plot(sweep: list[dict], path: Path) -> bool:
     rates = [s["rate"] for s in sweep]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     a.plot(rates, [s["output_throughput"] for s in sweep], "o-")
-    a.set(xlabel="request rate (req/s)", ylabel="output tokens/s", title="throughput")
+    a.set(xlabel="request rate (req/s)", ylabel="output tokens/s", xscale="log", title="throughput")
     b.plot(rates, [s["ttft_s"]["p95"] * 1e3 for s in sweep], "o-", label="p95 TTFT")
     b.plot(rates, [s["itl_s"]["p95"] * 1e3 for s in sweep], "s-", label="p95 ITL")
-    b.set(xlabel="request rate (req/s)", ylabel="ms", yscale="log", title="latency: the knee is where queueing starts")
+    b.set(xlabel="request rate (req/s)", ylabel="ms", xscale="log", yscale="log",
+          title="latency: the knee is where queueing starts")
     b.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
