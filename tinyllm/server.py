@@ -1,8 +1,8 @@
 """An OpenAI-compatible HTTP server over one Engine: completions and chat completions (plain and streamed as
 server-sent events), tokenize / detokenize, health and readiness, and Prometheus metrics.
 
-    app = build_app(model, ServerOptions(max_waiting=64), kv_memory="256MiB", max_num_seqs=16)
-    serve(app, host="127.0.0.1", port=8000)        # or: python scripts/serve.py
+    server = build_app(model, ServerOptions(max_waiting=64), kv_memory="256MiB", max_num_seqs=16)
+    serve(server, host="127.0.0.1", port=8000)     # or: python scripts/serve.py; server.app is the ASGI app
 
 One thread owns the engine (`EngineLoop`): it takes requests and aborts from a queue, steps while anything is
 unfinished, sleeps on the queue when idle, and hands each step's events to the waiting HTTP handlers on the
