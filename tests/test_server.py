@@ -99,6 +99,14 @@ def running(tiny):
         r.close()
 
 
+@pytest.fixture(scope="module")
+def shared(tiny):
+    """One server for the tests that only send requests and read answers."""
+    r = Running(build_app(tiny, ServerOptions(model_name="tiny"), num_blocks=64, block_size=4))
+    yield r
+    r.close()
+
+
 def sse(lines) -> list:
     """Server-sent events -> the decoded JSON chunks, checking the stream ends with [DONE]."""
     data = [line[len("data: "):] for line in lines if line.startswith("data: ")]
@@ -293,8 +301,8 @@ def test_timeout_aborts_and_frees_blocks(running):
      "tools is not supported"),
     ("/detokenize", {"tokens": [1, "a"]}, "tokens"),
 ])
-def test_malformed_requests_give_400_with_an_openai_error(running, path, body, message):
-    srv = running()
+def test_malformed_requests_give_400_with_an_openai_error(shared, path, body, message):
+    srv = shared
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     r = srv.http.post(path, content=content, headers={"Content-Type": "application/json"})
     assert r.status_code == 400, r.text
