@@ -342,6 +342,14 @@ def test_models_tokenize_health_metrics_and_api_key(running, tiny):
         assert f"tinyllm:{name}" in text
 
 
+def test_draining_refuses_new_requests_and_is_not_ready(running):
+    srv = running()
+    srv.server.draining = True                                     # what SIGTERM sets (see serve())
+    r = srv.post("/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
+    assert srv.http.get("/ready").status_code == 503 and srv.http.get("/health").status_code == 200
+
+
 @pytest.mark.skipif(not hasattr(time, "pthread_getcpuclockid"), reason="needs per-thread CPU clocks (Linux)")
 def test_engine_thread_sleeps_when_idle(running):
     srv = running()
