@@ -353,3 +353,17 @@ def test_history_is_bounded_and_counters_cumulative(model):
     assert engine.counters["prompt_tokens"] == sum(len(p) for p, _ in reqs)
     assert engine.counters["finished_length"] == 6
     assert engine.metrics().requests == 3
+
+
+def test_n_samples_survive_preemption(model):
+    params = SamplingParams(temperature=1.0, seed=9)
+    prompt = list(range(1, 11))
+    engine = Engine(model, num_blocks=24, block_size=4, watermark=0.0)   # 4 x 13 blocks do not fit at once
+    engine.add_request("a", prompt, params, max_tokens=40, n=4, stop_token_ids=())
+    events = list(engine.run())
+    assert engine.scheduler.num_preemptions > 0
+    engine.pool.allocator.check_invariants()
+    assert engine.pool.allocator.num_used == 0
+    for i in range(4):
+        rng = np.random.default_rng(9 if i == 0 else (9, i))
+        assert [e.token_id for e in events if e.index == i] == reference_rng(model, prompt, 40, params, rng), i
