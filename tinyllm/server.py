@@ -113,8 +113,9 @@ def parse_job(kind: str, body, tokenizer, options: ServerOptions, max_model_len:
     for name in body:
         if name in NEUTRAL:
             if body[name] not in NEUTRAL[name]:
-                raise APIError(400, f"{name} is not supported by tinyllm (supported: {', '.join(sorted(KNOWN[kind]))})",
-                               name)
+                hint = "; repetition_penalty is the penalty it has" if name.endswith("_penalty") else ""
+                raise APIError(400, f"{name} is not supported by tinyllm{hint} (supported: "
+                                    f"{', '.join(sorted(KNOWN[kind]))})", name)
         elif name not in KNOWN[kind]:
             raise APIError(400, f"unknown parameter {name!r} (supported: {', '.join(sorted(KNOWN[kind]))})", name)
     model = body.get("model")
