@@ -289,6 +289,7 @@ def test_timeout_aborts_and_frees_blocks(running):
     ("/v1/completions", {"prompt": "hi", "max_tokens": 1000}, "max_model_len"),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, "stop"),
     ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 17, "stream": True}, "max-num-seqs"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 50}, "logprobs"),
     ("/v1/completions", {"prompt": ["a", "b"]}, "one prompt per request"),
     ("/v1/completions", {"prompt": ""}, "prompt"),

@@ -558,6 +558,9 @@ class Server:
         self._authorize(request)
         body = await self._json(request)
         job = parse_job(kind, body, self.tokenizer, self.options, self.max_model_len)
+        if job.n > self.engine.scheduler.max_num_seqs:           # checked here, before a stream's 200 goes out
+            raise APIError(400, f"n={job.n} is more than this server runs at once (--max-num-seqs "
+                                f"{self.engine.scheduler.max_num_seqs})", "n")
         if self.draining:
             raise APIError(503, "the server is shutting down and admits no new requests")
         if self.loop.error is not None:
