@@ -483,7 +483,9 @@ class Server:
         if model.tokenizer is None:
             raise ValueError("serving needs a model with a tokenizer")
         self.model, self.options, self.tokenizer = model, options, model.tokenizer
-        self.engine = Engine(model, **engine_kwargs)
+        # The server reads cumulative counters, not the engine's history: keep little of it (a finished request
+        # holds its ids and token times).
+        self.engine = Engine(model, **{"history": 1000, **engine_kwargs})
         pool = self.engine.pool
         limit = min(model.config.context_length, pool.num_blocks * pool.block_size)
         if options.max_model_len is not None and not 1 < options.max_model_len <= limit:
