@@ -46,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
     p.add_argument("--seed", type=int, default=None, help="seed for sampling (temperature > 0)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past the end-of-sequence token (fixed output lengths for benchmarks)")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object (ids, text, stats) instead of streaming")
     p.add_argument("--threads", type=int, default=None, help="threads for BLAS and Numba (default: all cores)")
@@ -77,7 +79,7 @@ def main(argv=None) -> int:
         kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                       top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                       seed=args.seed, stop=args.stop, chat=chat, kv=args.kv, kv_memory=args.kv_memory,
-                      speculative=draft, num_draft=args.num_draft)
+                      speculative=draft, num_draft=args.num_draft, ignore_eos=args.ignore_eos)
         if args.json:
             res = tinyllm.generate(model, args.prompt, **kwargs)
         else:

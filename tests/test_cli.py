@@ -42,6 +42,14 @@ def test_json_output(tiny_path):
     assert {"ttft_s", "prefill_tokens_per_s", "decode_tokens_per_s", "itl_s"} <= set(out["stats"])
 
 
+def test_ignore_eos_gives_the_full_length(tiny_path):
+    r = run("--prompt", "hello", "--raw", "--json", "--max-new-tokens", "30", "--temperature", "3", "--seed", "0",
+            "--ignore-eos", model=tiny_path)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert len(out["token_ids"]) == 30 and out["finish_reason"] == "length"
+
+
 @pytest.mark.parametrize("args, message", [
     (["--temperature", "-1"], "invalid temperature"),
     (["--top-p", "0"], "invalid top_p"),

@@ -286,3 +286,84 @@ def test_stop_string_cuts_the_text_and_is_never_streamed():
     req = engine.requests["a"]
     assert req.finish_reason == "stop_string" and req.text == letters[:letters.index(stop)]
     assert "".join(e.text for e in events) == req.text              # no piece of the stop string leaked out
+
+
+def reference_rng(model, prompt, max_tokens, params, rng):
+    cache, out = model.new_cache(128), []
+    logits = model.prefill(prompt, cache)
+    for _ in range(max_tokens):
+        out.append(sample(logits, params, rng, list(prompt) + out))
+        logits = model.decode_step(out[-1], cache)
+    return out
+
+
+def test_n_samples_fork_the_prompt_blocks_and_each_equals_its_seeded_reference(model):
+    params = SamplingParams(temperature=1.0, seed=5)
+    prompt = list(range(1, 11))                                      # 10 tokens: 2 full blocks of 4 + 2
+    engine = Engine(model, num_blocks=40, block_size=4)
+    engine.add_request("a", prompt, params, max_tokens=9, n=3)
+    first = engine.step()                                          # the prompt, then 3 first tokens
+    assert sorted(e.index for e in first) == [0, 1, 2] and {e.request_id for e in first} == {"a"}
+    alloc = engine.pool.allocator
+    assert alloc.num_used == 3                                     # the 3 prompt blocks, shared, not copied
+    assert all(alloc.ref[b] == 3 for b in alloc.tables["a"])
+    events = first + list(engine.run())
+    alloc.check_invariants()
+    assert alloc.num_used == 0
+    for i in range(3):
+        rng = np.random.default_rng(5 if i == 0 else (5, i))
+        got = [e.token_id for e in events if e.index == i]
+        assert got == reference_rng(model, prompt, 9, params, rng), i
+    assert len({tuple(e.token_id for e in events if e.index == i) for i in range(3)}) > 1   # really different
+    assert engine.counters["prompt_tokens"] == 10 and engine.counters["generation_tokens"] == 27
+
+
+def test_abort_of_a_request_ends_its_samples(model):
+    engine = Engine(model, num_blocks=40, block_size=4)
+    engine.add_request("a", list(range(1, 8)), SamplingParams(temperature=1.0), max_tokens=20, n=4)
+    engine.step()
+    engine.abort("a")
+    assert not engine.has_unfinished() and engine.pool.allocator.num_used == 0
+    assert {engine.requests[r].finish_reason for r in ("a", "a/1", "a/2", "a/3")} == {"abort"}
+
+
+def test_logprobs_are_the_model_distribution(model):
+    from tinyllm.sampling import log_softmax
+    prompt = [3, 1, 4, 1, 5]
+    engine = Engine(model, num_blocks=20, block_size=4)
+    engine.add_request("a", prompt, max_tokens=4, logprobs=3)
+    events = list(engine.run())
+    out = [e.token_id for e in events]
+    full = model.logits(prompt + out)                              # [T, V] the no-cache forward
+    for k, e in enumerate(events):
+        lp = log_softmax(full[len(prompt) - 1 + k])
+        assert e.logprob == pytest.approx(lp[e.token_id], abs=1e-4)
+        assert [t for t, _ in e.top_logprobs] == list(np.argsort(-lp)[:3])   # greedy: the first is the token
+        assert e.top_logprobs[0][0] == e.token_id
+
+
+def test_history_is_bounded_and_counters_cumulative(model):
+    engine = Engine(model, num_blocks=40, block_size=4, history=3)
+    reqs = workload(6, seed=1, max_prompt=10, max_out=5)
+    for i, (p, n) in enumerate(reqs):
+        engine.add_request(str(i), p, max_tokens=n, stop_token_ids=())
+    list(engine.run())
+    assert len(engine.requests) == 3 and len(engine.steps) == 3
+    assert engine.counters["generation_tokens"] == sum(n for _, n in reqs)
+    assert engine.counters["prompt_tokens"] == sum(len(p) for p, _ in reqs)
+    assert engine.counters["finished_length"] == 6
+    assert engine.metrics().requests == 3
+
+
+def test_n_samples_survive_preemption(model):
+    params = SamplingParams(temperature=1.0, seed=9)
+    prompt = list(range(1, 11))
+    engine = Engine(model, num_blocks=24, block_size=4, watermark=0.0)   # 4 x 13 blocks do not fit at once
+    engine.add_request("a", prompt, params, max_tokens=40, n=4, stop_token_ids=())
+    events = list(engine.run())
+    assert engine.scheduler.num_preemptions > 0
+    engine.pool.allocator.check_invariants()
+    assert engine.pool.allocator.num_used == 0
+    for i in range(4):
+        rng = np.random.default_rng(9 if i == 0 else (9, i))
+        assert [e.token_id for e in events if e.index == i] == reference_rng(model, prompt, 40, params, rng), i

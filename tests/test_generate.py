@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import tinyllm
-from tinyllm.generate import StopStrings
+from tinyllm.generate import StopStrings, end_token_ids
 
 from tiny_gguf import tiny_llama
 
@@ -53,6 +53,18 @@ def test_context_end_stops_generation(tiny):
     assert res.finish_reason in ("context", "eos")
     if res.finish_reason == "context":
         assert len(prompt) + len(res.token_ids) == 64 + 1   # the last sampled token needs no cache slot
+
+
+def test_ignore_eos_generates_past_the_end_token(tiny):
+    stopped = next((seed for seed in range(200) if tinyllm.generate(
+        tiny, "hello", max_new_tokens=20, temperature=3.0, seed=seed).finish_reason == "eos"), None)
+    assert stopped is not None, "no seed met the end token: raise the temperature"
+    short = tinyllm.generate(tiny, "hello", max_new_tokens=20, temperature=3.0, seed=stopped)
+    full = tinyllm.generate(tiny, "hello", max_new_tokens=20, temperature=3.0, seed=stopped, ignore_eos=True)
+    assert full.finish_reason == "length" and len(full.token_ids) == 20
+    n = len(short.token_ids)
+    assert full.token_ids[:n] == short.token_ids                   # the same draws, and then the end token
+    assert full.token_ids[n] in end_token_ids(tiny.tokenizer)
 
 
 def test_prompt_errors(tiny):

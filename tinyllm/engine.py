@@ -8,15 +8,18 @@
 
 Each `step()` the Scheduler picks which requests run and how many of their tokens (a decode: 1; a prompt: a
 chunk), `model.forward_batch` runs them all in one pass (one read of every weight for the whole batch), and
-every request whose tokens are all computed samples one new token. Two policies, for comparison:
+every request whose tokens are all computed samples one new token (or, with `n` > 1, n tokens: the samples
+fork the prompt's blocks and split them by copy-on-write). Two policies, for comparison:
 "continuous" refills free slots between steps (Orca, Yu et al. OSDI 2022: iteration-level scheduling; vLLM),
 "static" admits a batch and runs it until its longest member finishes. Left out: swapping KV to host memory
-(preemption is by recompute), priorities and fairness, beam search, speculative decoding, an HTTP server.
+(preemption is by recompute), priorities and fairness, beam search, speculative decoding. The HTTP server
+(server.py) drives one Engine from one thread. History is bounded (`history` finished requests and steps are
+kept for `metrics()`); `counters` are cumulative over the engine's life.
 """
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
@@ -24,7 +27,7 @@ import numpy as np
 
 from .generate import StopStrings, end_token_ids
 from .paged import OutOfBlocks, PagedKVCache, SequenceCache
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, log_softmax, sample
 
 POLICIES = ("continuous", "static")
 
@@ -85,6 +88,11 @@ class Request:
     slot: int | None = None          # batch slot while running (for timelines)
     rng: np.random.Generator | None = None
     decoder: object = None
+    logprobs: int | None = None      # None: no logprobs; k >= 0: the sampled token's and the k most likely
+    group: str = ""                  # the caller's request id; samples forked from it share it (see `index`)
+    index: int = 0                   # which of the group's n samples this is (0: the request itself)
+    forks: int = 0                   # samples still to fork from this one when its prompt is done (n - 1)
+    children: list = field(default_factory=list)   # the Requests forked from this one
 
     @property
     def all_ids(self) -> list[int]:
@@ -100,11 +108,14 @@ class Request:
 @dataclass
 class RequestOutput:
     """One streaming event: a new token of a request (token_id None when it ended without one, e.g. abort)."""
-    request_id: str
+    request_id: str                  # the id given to add_request (shared by the n samples of a request)
     token_id: int | None
     text: str                        # the new text piece (may be "" while a UTF-8 character is incomplete)
     finished: bool
     finish_reason: str | None
+    index: int = 0                   # which sample of the request (0 .. n-1)
+    logprob: float | None = None     # log p(token) under the model's distribution (before sampling's reshaping)
+    top_logprobs: list | None = None # [(token id, log p)] of the most likely tokens, most likely first
 
 
 # --- scheduler ----------------------------------------------------------------------------------------------------
@@ -158,7 +169,7 @@ class Scheduler:
                 batch.append((req, n))
                 budget -= n
         admit = admit and self.num_preemptions == preemptions     # memory just ran out: admit nobody this step
-        while admit and self.waiting and len(self.running) < self.max_num_seqs:
+        while admit and self.waiting and len(self.running) + 1 + self.waiting[0].forks <= self.max_num_seqs:
             if budget == 0 and self.policy == "continuous":
                 break                                             # admit only what can start now
             req = self.waiting[0]
@@ -261,21 +272,31 @@ class Engine:
     Scheduling: `policy` ("continuous" or "static"), `max_num_seqs` running at once, `max_num_batched_tokens` per
     step, `chunked_prefill`, `watermark` (share of the pool admission leaves free), `long_prefill_tokens` (most
     prompt tokens of one request per step). clock: a function returning seconds (tests pass a fake one).
+    history: how many finished requests (in `requests`) and step records (in `steps`) are kept for `metrics()`;
+    a server runs for days, so older ones are dropped. `counters` keep cumulative totals regardless.
     """
 
     def __init__(self, model, kv_memory: str | int | None = None, num_blocks: int | None = None,
                  block_size: int = 16, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
                  policy: str = "continuous", chunked_prefill: bool = True, prefix_caching: bool = True,
                  watermark: float = 0.01, long_prefill_tokens: int | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, history: int = 10_000):
         if kv_memory is None and num_blocks is None:
             kv_memory = "256MiB"
         self.model, self.clock = model, clock
         self.pool = PagedKVCache(model.config, block_size, num_blocks, kv_memory, prefix_caching)
         self.scheduler = Scheduler(self.pool, policy, max_num_seqs, max_num_batched_tokens, chunked_prefill,
                                    watermark, long_prefill_tokens)
-        self.requests: dict[str, Request] = {}
-        self.steps: list[StepRecord] = []
+        if not isinstance(history, int) or history < 1:
+            raise ValueError(f"invalid history={history!r}: must be an integer >= 1")
+        self.requests: dict[str, Request] = {}     # every unfinished request, and the last `history` finished
+        self._finished: deque[str] = deque()       # ids of finished requests still in `requests`, oldest first
+        self.history = history
+        self.steps: deque[StepRecord] = deque(maxlen=history)
+        # Cumulative totals (never trimmed): prompt_tokens and generation_tokens of requests that got their first
+        # token / each token, finished_<reason> per finish reason. Preemptions and prefix-cache hits are counted
+        # by the scheduler and the allocator.
+        self.counters: Counter = Counter()
         self._ends = set()
         if model.tokenizer is not None:
             self._ends = end_token_ids(model.tokenizer)
@@ -283,11 +304,15 @@ class Engine:
     # ---- requests in
     def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams | None = None,
                     max_tokens: int = 64, stop_token_ids: Sequence[int] | None = None, stop: Sequence[str] = (),
-                    arrival_time: float | None = None) -> Request:
+                    arrival_time: float | None = None, n: int = 1, logprobs: int | None = None) -> Request:
         """Queue a request. Rejected here, before any work, if it could never fit the KV pool or the context.
 
-        stop_token_ids: ids that end it (default: the tokenizer's end-of-sequence ids); stop: stop strings
-        (need a tokenizer). The stop token itself is not part of the output.
+        stop_token_ids: ids that end it (default: the tokenizer's end-of-sequence ids; () never stops on a token,
+        vLLM's ignore_eos); stop: stop strings (need a tokenizer). The stop token itself is not part of the output.
+        n: independent samples of the same prompt. The prompt is computed once; when it is done the request forks
+        n - 1 children (ids "<id>/1" ...) that share its blocks; their events carry request_id <id> and index i.
+        With a seed s, sample i draws from default_rng((s, i)) (sample 0 from default_rng(s), as when n = 1).
+        logprobs: also report each sampled token's log-probability and the `logprobs` most likely alternatives.
         """
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -302,9 +327,15 @@ class Engine:
         stop = StopStrings(stop)                                  # validated: non-empty strings
         if stop.strings and self.model.tokenizer is None:
             raise ValueError("stop strings need a model with a tokenizer")
+        if not isinstance(n, int) or not 1 <= n <= self.scheduler.max_num_seqs:
+            raise ValueError(f"invalid n={n!r}: must be an integer in 1 .. max_num_seqs "
+                             f"({self.scheduler.max_num_seqs}), since the samples run side by side")
+        if logprobs is not None and (not isinstance(logprobs, int) or not 0 <= logprobs <= V):
+            raise ValueError(f"invalid logprobs={logprobs!r}: must be an integer in 0 .. {V} (or None)")
         req = Request(request_id, prompt_ids, params or SamplingParams(), max_tokens,
                       frozenset(self._ends if stop_token_ids is None else stop_token_ids), stop,
-                      RequestMetrics(self.clock() if arrival_time is None else arrival_time))
+                      RequestMetrics(self.clock() if arrival_time is None else arrival_time),
+                      logprobs=logprobs, group=request_id, forks=n - 1)
         capacity = self.pool.num_blocks * self.pool.block_size
         if req.max_positions > capacity:
             raise ValueError(f"request {request_id!r} needs up to {req.max_positions} KV positions "
@@ -322,11 +353,21 @@ class Engine:
         return req
 
     def abort(self, request_id: str) -> None:
+        """End a request now and free its blocks; with n > 1, every sample forked from it too."""
         req = self.requests[request_id]
-        if req.status != "finished":
-            self.scheduler.finish(req)
-            req.finish_reason = "abort"
-            req.metrics.finished = self.clock()
+        for r in [req, *req.children]:
+            if r.status != "finished":
+                r.finish_reason = "abort"
+                self._finish(r, self.clock())
+
+    def _finish(self, req: Request, now: float) -> None:
+        req.metrics.finished = now
+        req.forks = 0                                             # an aborted request forks nobody later
+        self.scheduler.finish(req)
+        self.counters[f"finished_{req.finish_reason}"] += 1
+        self._finished.append(req.request_id)
+        while len(self._finished) > self.history:                 # bounded history: forget the oldest
+            self.requests.pop(self._finished.popleft(), None)
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
@@ -347,8 +388,15 @@ class Engine:
             req.cache.register(req.all_ids)                       # full blocks join the prefix cache
             if req.num_computed < len(req.prompt_ids) + len(req.output_ids):
                 continue                                          # a prefill chunk: no token yet
-            token = sample(row[0], req.params, req.rng, req.all_ids)
-            events.append(self._accept(req, token, self.clock()))
+            now = self.clock()
+            if req.forks:                                         # parallel sampling: fork before sampling
+                group = [req] + [self._fork(req, i) for i in range(1, req.forks + 1)]
+                req.forks = 0
+            else:
+                group = [req]
+            for r in group:
+                token = sample(row[0], r.params, r.rng, r.all_ids)
+                events.append(self._accept(r, token, now, row[0]))
         self._record(t0, batch, slots)
         return events
 
@@ -357,13 +405,47 @@ class Engine:
         while self.has_unfinished():
             yield from self.step()
 
-    def _accept(self, req: Request, token: int, now: float) -> RequestOutput:
+    def _fork(self, parent: Request, index: int) -> Request:
+        """Sample `index` of a request whose prompt was just computed: it shares every block of the parent
+        (ref counts, no copy); the first write into a shared block copies it (copy-on-write, paged.py)."""
+        child_id = f"{parent.request_id}/{index}"
+        seed = parent.params.seed
+        child = Request(child_id, parent.prompt_ids, parent.params, parent.max_tokens, parent.stop_token_ids,
+                        parent.stop, RequestMetrics(parent.metrics.arrival, parent.metrics.first_scheduled,
+                                       cached_tokens=parent.metrics.cached_tokens),
+                        status="running", num_computed=parent.num_computed, logprobs=parent.logprobs,
+                        group=parent.group, index=index)
+        child.rng = np.random.default_rng(None if seed is None else (seed, index))
+        if self.model.tokenizer is not None:
+            child.decoder = self.model.tokenizer.stream_decoder()
+        self.pool.allocator.fork(parent.request_id, child_id)
+        child.cache = SequenceCache(self.pool, child_id)
+        child.cache.length, child.cache.slots = parent.cache.length, parent.cache.slots.copy()
+        used = {r.slot for r in self.scheduler.running}
+        child.slot = next(s for s in range(len(used) + 1) if s not in used)
+        self.scheduler.running.append(child)
+        parent.children.append(child)
+        self.requests[child_id] = child
+        return child
+
+    def _accept(self, req: Request, token: int, now: float, logits: np.ndarray | None = None) -> RequestOutput:
         """Record a sampled token: stop conditions, text, timing. -> its event (text held back while it could
-        still be the start of a stop string, as in generate.py)."""
+        still be the start of a stop string, as in generate.py). logits ([V]): for the logprobs, if asked."""
         m = req.metrics
         if m.first_token is None:
             m.first_token = now
+            if req.index == 0:                                    # the samples of a request share its prompt
+                self.counters["prompt_tokens"] += len(req.prompt_ids)
         m.token_times.append(now)
+        self.counters["generation_tokens"] += 1
+        logprob = top = None
+        if req.logprobs is not None and logits is not None:
+            lp = log_softmax(logits)                              # [V]
+            logprob = float(lp[token])
+            k = min(req.logprobs, len(lp) - 1)
+            best = np.argpartition(-lp, k)[:req.logprobs]         # [k] the k most likely, in no order
+            best = best[np.argsort(-lp[best], kind="stable")]     # [k] most likely first
+            top = [(int(i), float(lp[i])) for i in best]
         reason = None
         if token in req.stop_token_ids:
             reason = "eos"
@@ -381,9 +463,10 @@ class Engine:
         safe = len(req.text) if reason else req.stop.safe_length(req.text)
         piece, req.shown = req.text[req.shown:safe], max(req.shown, safe)
         if reason is not None:
-            req.finish_reason, m.finished = reason, now
-            self.scheduler.finish(req)
-        return RequestOutput(req.request_id, None if reason == "eos" else token, piece, reason is not None, reason)
+            req.finish_reason = reason
+            self._finish(req, now)
+        return RequestOutput(req.group, None if reason == "eos" else token, piece, reason is not None, reason,
+                             req.index, logprob, top)
 
     def _record(self, t0: float, batch, slots: dict) -> None:
         running = self.scheduler.running

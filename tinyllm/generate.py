@@ -92,7 +92,7 @@ class Stream:
 def stream(model, prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
            top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0, seed: int | None = None,
            stop: Sequence[str] = (), chat: bool = False, speculative=None, num_draft: int = 4,
-           kv: str = "contiguous", kv_memory: str | int | None = None) -> Stream:
+           kv: str = "contiguous", kv_memory: str | int | None = None, ignore_eos: bool = False) -> Stream:
     """Generate from `prompt` and yield text pieces as they decode (never half a UTF-8 character).
 
     prompt: a string (used as is, or wrapped in the model's chat template if `chat=True`), a list of chat
@@ -100,6 +100,7 @@ def stream(model, prompt, max_new_tokens: int = 256, temperature: float = 0.0, t
     kv: "contiguous" (one array reserved for the whole generation) or "paged" (blocks taken as the
     sequence grows, paged.py); both give the same tokens. kv_memory ("64MiB", bytes): with kv="paged", the
     pool's budget; a request that could outgrow it is refused before any work.
+    ignore_eos: keep generating past the end-of-sequence token (benchmarks use it for fixed output lengths).
     speculative: a draft source ("self-q4", "self-int8", "layers:N", "ngram", "draft=PATH", or an object from
     speculative.make_draft) to draft `num_draft` tokens per target pass; the output distribution is unchanged.
     """
@@ -119,7 +120,7 @@ def stream(model, prompt, max_new_tokens: int = 256, temperature: float = 0.0, t
         raise ValueError("kv_memory sizes the paged pool: use it with kv='paged'")
     holder: list = []
     return Stream(_run(model, prompt, params, max_new_tokens, stops, chat, holder, speculative,
-                       (kv, kv_memory)), holder)
+                       (kv, kv_memory), ignore_eos), holder)
 
 
 def generate(model, prompt, **kwargs) -> GenerationResult:
@@ -209,7 +210,7 @@ def _plain_tokens(model, ids: list[int], cache, logits, params: SamplingParams, 
 
 
 def _run(model, prompt, params: SamplingParams, max_new_tokens: int, stops: StopStrings, chat: bool,
-         holder: list, speculative=None, kv=("contiguous", None)) -> Iterator[str]:
+         holder: list, speculative=None, kv=("contiguous", None), ignore_eos: bool = False) -> Iterator[str]:
     t_start = time.perf_counter()
     tok = model.tokenizer
     ids = prompt_ids(model, prompt, chat)
@@ -218,7 +219,7 @@ def _run(model, prompt, params: SamplingParams, max_new_tokens: int, stops: Stop
         raise ValueError(f"the prompt has {len(ids)} tokens but the model's context is {ctx}: shorten it "
                          f"(at least one position must be left to generate into)")
     rng = params.make_rng()
-    ends = end_token_ids(tok)
+    ends = set() if ignore_eos else end_token_ids(tok)
     stats = GenerationStats(prompt_tokens=len(ids))
     cache = new_cache(model, min(ctx, len(ids) + max_new_tokens), *kv)
     stats.kv_bytes_per_token = cache.bytes_per_token

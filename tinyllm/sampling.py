@@ -93,6 +93,13 @@ def draw(p: np.ndarray, rng: np.random.Generator) -> int:
     return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(p) - 1))
 
 
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Log-probabilities of the model's own distribution (no temperature or truncation). [V] -> [V] float64"""
+    z = logits.astype(np.float64)                                 # [V]
+    z -= z.max()
+    return z - np.log(np.exp(z).sum())
+
+
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, history=()) -> int:
     """Pick the next token id from `logits` ([V]); `history` is the ids so far (for the repetition penalty)."""
     logits = apply_repetition_penalty(logits, history, params.repetition_penalty)

@@ -1,0 +1,91 @@
+#!/usr/bin/env python
+"""Serve a model over an OpenAI-compatible HTTP API (needs the serve extra: pip install -e ".[serve]").
+
+    python scripts/serve.py                                   # SmolLM2-135M-Instruct on http://127.0.0.1:8000
+    python scripts/serve.py --kv-memory 512MiB --max-num-seqs 32 --policy continuous --api-key secret
+    curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+         -d '{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}'
+
+Endpoints: /v1/completions, /v1/chat/completions (stream: true for server-sent events), /v1/models, /tokenize,
+/detokenize, /health (alive), /ready (kernels compiled, not draining), /metrics (Prometheus).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import tinyllm  # noqa: E402
+from tinyllm.engine import POLICIES  # noqa: E402
+from tinyllm.hub import FetchError  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", default=None, help="a .gguf file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the file's name)")
+    p.add_argument("--quant", default=None, choices=["fp32", "int8", "int8-block", "q4_1", "native"],
+                   help="weight format (see scripts/generate.py --help)")
+    p.add_argument("--activations", default="float32", choices=["float32", "int8"])
+    p.add_argument("--threads", type=int, default=None, help="threads for BLAS and Numba (default: all cores)")
+    g = p.add_argument_group("engine")
+    g.add_argument("--kv-memory", default="256MiB", help="KV cache pool size")
+    g.add_argument("--block-size", type=int, default=16, help="positions per KV block")
+    g.add_argument("--max-num-seqs", type=int, default=16, help="requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step")
+    g.add_argument("--policy", default="continuous", choices=POLICIES)
+    g.add_argument("--long-prefill-tokens", type=int, default=None, help="most prompt tokens of one request per step")
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g = p.add_argument_group("admission")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="most prompt + max_tokens per request (default: the context or the KV pool, the smaller)")
+    g.add_argument("--max-waiting", type=int, default=64, help="queued requests beyond this get HTTP 429")
+    g.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is aborted")
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM: seconds running requests get to finish before they are aborted")
+    g.add_argument("--api-key", default=os.environ.get("TINYLLM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $TINYLLM_API_KEY, else no key)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        from tinyllm.server import ServerOptions, build_app, serve
+    except ImportError as e:
+        print(f"error: the server needs the serve extra ({e.name} is missing): pip install -e \".[serve]\"",
+              file=sys.stderr)
+        return 2
+    try:
+        if args.threads is not None:
+            tinyllm.set_threads(args.threads)
+        t0 = time.perf_counter()
+        model = tinyllm.load(args.model, quant=args.quant, activations=args.activations)
+        default_name = Path(args.model).name.split(".")[0] if args.model else "SmolLM2-135M-Instruct"
+        name = args.served_model_name or default_name
+        options = ServerOptions(model_name=name, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
+                                request_timeout=args.request_timeout, drain_timeout=args.drain_timeout,
+                                api_key=args.api_key)
+        server = build_app(model, options, kv_memory=args.kv_memory, block_size=args.block_size,
+                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                           policy=args.policy, prefix_caching=not args.no_prefix_caching,
+                           long_prefill_tokens=args.long_prefill_tokens)
+    except (ValueError, FetchError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"loaded {name} in {time.perf_counter() - t0:.1f} s | KV pool {server.engine.pool.num_blocks} blocks of "
+          f"{args.block_size} | max_model_len {server.max_model_len} | http://{args.host}:{args.port}", file=sys.stderr)
+    serve(server, args.host, args.port, log_level=args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
