@@ -285,7 +285,7 @@ def test_self_q4_draft_is_the_files_own_quantization(default_model, default_mode
         for name in ("wqkv", "wo", "w_in", "w_out")]
     for ours, files in pairs:
         assert type(ours) is type(files)
-        for a, b in zip(ours._arrays(), files._arrays()):
+        for a, b in zip(ours.arrays, files.arrays):
             np.testing.assert_array_equal(a, b)
 
 

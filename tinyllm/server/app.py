@@ -1,0 +1,243 @@
+"""The Starlette app: routes, streaming, admission, draining, and running it on uvicorn."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from contextlib import asynccontextmanager
+
+import prometheus_client as prom
+from starlette.applications import Starlette
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..engine import Engine
+from .engine_loop import EngineLoop
+from .metrics import ServerMetrics
+from .protocol import (FINISH_REASONS, APIError, Choice, Job, ServerOptions, chat_prompt_ids, completion_prompt_ids,
+                       logprobs_body, parse_job, usage)
+
+
+# --- the app -------------------------------------------------------------------------------------------------------
+class Server:
+    """The HTTP side: routes, admission, streaming. Holds the EngineLoop; `app` is the ASGI application."""
+
+    def __init__(self, model, options: ServerOptions, **engine_kwargs):
+        if model.tokenizer is None:
+            raise ValueError("serving needs a model with a tokenizer")
+        self.model, self.options, self.tokenizer = model, options, model.tokenizer
+        # The server reads cumulative counters, not the engine's history: keep little of it (a finished request
+        # holds its ids and token times).
+        self.engine = Engine(model, **{"history": 1000, **engine_kwargs})
+        pool = self.engine.pool
+        limit = min(model.config.context_length, pool.num_blocks * pool.block_size)
+        if options.max_model_len is not None and not 1 < options.max_model_len <= limit:
+            raise ValueError(f"max_model_len {options.max_model_len} must be in 2 .. {limit} (the model's context "
+                             f"and the KV pool's {pool.num_blocks * pool.block_size} positions)")
+        self.max_model_len = options.max_model_len or limit
+        self.metrics = ServerMetrics(options.model_name)
+        self.loop = EngineLoop(self.engine, self.metrics, options.request_timeout)
+        self.draining = False
+        self.created = int(time.time())
+        routes = [Route("/health", self.health), Route("/ready", self.ready), Route("/metrics", self.prometheus),
+                  Route("/v1/models", self.models), Route("/tokenize", self.tokenize, methods=["POST"]),
+                  Route("/detokenize", self.detokenize, methods=["POST"]),
+                  Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/v1/chat/completions", self.chat_completions, methods=["POST"])]
+        self.app = Starlette(routes=routes, lifespan=self._lifespan,
+                             exception_handlers={APIError: _api_error})
+
+    @asynccontextmanager
+    async def _lifespan(self, app):
+        self.loop.start()
+        yield
+        self.loop.stop()
+
+    # ---- plain endpoints
+    async def health(self, request: HTTPRequest) -> Response:
+        """Liveness: the process answers and the engine thread runs (or is still compiling)."""
+        if self.loop.error is not None or (self.loop.thread.ident and not self.loop.thread.is_alive()):
+            return JSONResponse({"status": "error", "error": repr(self.loop.error)}, status_code=500)
+        return JSONResponse({"status": "ok"})
+
+    async def ready(self, request: HTTPRequest) -> Response:
+        """Readiness: kernels compiled and not draining (a load balancer sends traffic only then)."""
+        ok = self.loop.ready.is_set() and not self.draining
+        return JSONResponse({"ready": ok, "draining": self.draining}, status_code=200 if ok else 503)
+
+    async def prometheus(self, request: HTTPRequest) -> Response:
+        return Response(self.metrics.render(), media_type=prom.CONTENT_TYPE_LATEST)
+
+    async def models(self, request: HTTPRequest) -> Response:
+        self._authorize(request)
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.options.model_name, "object": "model", "created": self.created, "owned_by": "tinyllm",
+            "max_model_len": self.max_model_len}]})
+
+    async def tokenize(self, request: HTTPRequest) -> Response:
+        self._authorize(request)
+        body = await self._json(request)
+        if "messages" in body:
+            ids = chat_prompt_ids(self.tokenizer, body["messages"])
+        else:
+            ids = completion_prompt_ids(self.tokenizer, body.get("prompt"))
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len})
+
+    async def detokenize(self, request: HTTPRequest) -> Response:
+        self._authorize(request)
+        ids = (await self._json(request)).get("tokens")
+        V = self.tokenizer.vocab_size
+        if not (isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < V
+                                              for i in ids)):
+            raise APIError(400, f"tokens must be a list of token ids in 0 .. {V - 1}", "tokens")
+        return JSONResponse({"prompt": self.tokenizer.decode(ids)})
+
+    # ---- generation
+    async def completions(self, request: HTTPRequest) -> Response:
+        return await self._generate(request, "completions")
+
+    async def chat_completions(self, request: HTTPRequest) -> Response:
+        return await self._generate(request, "chat")
+
+    async def _generate(self, request: HTTPRequest, kind: str) -> Response:
+        self._authorize(request)
+        body = await self._json(request)
+        job = parse_job(kind, body, self.tokenizer, self.options, self.max_model_len)
+        if job.n > self.engine.scheduler.max_num_seqs:           # checked here, before a stream's 200 goes out
+            raise APIError(400, f"n={job.n} is more than this server runs at once (--max-num-seqs "
+                                f"{self.engine.scheduler.max_num_seqs})", "n")
+        if self.draining:
+            raise APIError(503, "the server is shutting down and admits no new requests")
+        if self.loop.error is not None:
+            raise APIError(500, f"the engine could not start: {self.loop.error!r}")
+        if self.loop.queued >= self.options.max_waiting:
+            raise APIError(429, f"the server is overloaded: {self.loop.queued} requests are already waiting "
+                                f"(--max-waiting {self.options.max_waiting}); retry later")
+        inbox: asyncio.Queue = asyncio.Queue()
+        self.loop.submit(job, asyncio.get_running_loop(), inbox)
+        if job.stream:
+            return StreamingResponse(self._stream(job, inbox), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await self._collect(job, inbox, request)
+
+    async def _events(self, job: Job, inbox: asyncio.Queue, request: HTTPRequest | None = None):
+        """Yield the request's events as they come; abort it if the consumer stops early (client gone)."""
+        finished = 0
+        try:
+            while finished < job.n:
+                if request is None:
+                    item = await inbox.get()
+                else:                                                  # no stream to notice a disconnect: poll
+                    try:
+                        item = await asyncio.wait_for(inbox.get(), timeout=0.5)
+                    except asyncio.TimeoutError:
+                        if await request.is_disconnected():
+                            return
+                        continue
+                if item[0] == "error":
+                    finished = job.n
+                    raise APIError(item[1], item[2])
+                for e in item[1]:
+                    finished += e.finished
+                    yield e
+        finally:
+            if finished < job.n:
+                self.loop.abort(job.request_id)
+
+    async def _collect(self, job: Job, inbox: asyncio.Queue, request: HTTPRequest) -> Response:
+        choices = [Choice(i) for i in range(job.n)]
+        async for e in self._events(job, inbox, request):
+            choices[e.index].add(e)
+        out = []
+        for c in choices:
+            lp = logprobs_body(job.kind, self.tokenizer, c.logprobs) if job.logprobs is not None else None
+            if job.kind == "chat":
+                out.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                            "logprobs": lp, "finish_reason": c.finish_reason})
+            else:
+                out.append({"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
+        return JSONResponse({**self._head(job, stream=False), "choices": out,
+                             "usage": usage(len(job.prompt_ids), sum(c.tokens for c in choices))})
+
+    async def _stream(self, job: Job, inbox: asyncio.Queue):
+        """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`."""
+        head, tokens = self._head(job, stream=True), 0
+        offsets = [0] * job.n
+
+        def chunk(choices, usage_=None):
+            body = {**head, "choices": choices}
+            if job.include_usage:
+                body["usage"] = usage_
+            return f"data: {json.dumps(body)}\n\n"
+
+        if job.kind == "chat":                     # OpenAI's first chunk names the role
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for i in range(job.n)])
+        try:
+            async for e in self._events(job, inbox):
+                tokens += e.token_id is not None
+                entries = [(e.token_id, e.logprob, e.top_logprobs)] if (
+                    job.logprobs is not None and e.token_id is not None) else []
+                lp = logprobs_body(job.kind, self.tokenizer, entries, offsets[e.index]) if entries else None
+                offsets[e.index] += len(e.text)
+                reason = FINISH_REASONS.get(e.finish_reason, e.finish_reason) if e.finished else None
+                if job.kind == "chat":
+                    choice = {"index": e.index, "delta": {"content": e.text} if e.text else {}, "logprobs": lp,
+                              "finish_reason": reason}
+                else:
+                    choice = {"index": e.index, "text": e.text, "logprobs": lp, "finish_reason": reason}
+                yield chunk([choice])
+        except APIError as err:                    # the stream has begun: report in-band, as vLLM does
+            yield f"data: {json.dumps(err.body())}\n\n"
+            yield "data: [DONE]\n\n"
+            return
+        if job.include_usage:
+            yield chunk([], usage(len(job.prompt_ids), tokens))
+        yield "data: [DONE]\n\n"
+
+    # ---- helpers
+    def _head(self, job: Job, stream: bool) -> dict:
+        if job.kind == "chat":
+            return {"id": f"chatcmpl-{job.request_id}", "object": "chat.completion.chunk" if stream
+                    else "chat.completion", "created": int(time.time()), "model": self.options.model_name}
+        return {"id": f"cmpl-{job.request_id}", "object": "text_completion", "created": int(time.time()),
+                "model": self.options.model_name}
+
+    def _authorize(self, request: HTTPRequest) -> None:
+        key = self.options.api_key
+        if key is not None and request.headers.get("authorization") != f"Bearer {key}":
+            raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'")
+
+    @staticmethod
+    async def _json(request: HTTPRequest) -> dict:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        return body
+
+
+async def _api_error(request: HTTPRequest, e: APIError) -> Response:
+    return e.response()
+
+
+def build_app(model, options: ServerOptions | None = None, **engine_kwargs) -> Server:
+    """A Server (its ASGI app is `.app`) over a new Engine(model, **engine_kwargs)."""
+    return Server(model, options or ServerOptions(), **engine_kwargs)
+
+
+def serve(server: Server, host: str = "127.0.0.1", port: int = 8000, sockets=None, log_level: str = "info") -> None:
+    """Run the server until SIGINT / SIGTERM; on the signal, drain (see the module docstring)."""
+    import uvicorn
+
+    class Draining(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            server.draining = True                 # answer 503 to new requests from here on
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(server.app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=server.options.drain_timeout)
+    Draining(config).run(sockets=sockets)
