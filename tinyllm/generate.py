@@ -71,6 +71,7 @@ class GenerationResult:
     prompt_ids: list[int]
     stats: GenerationStats
     finish_reason: str                # one of FINISH_REASONS
+    trace: object = None              # trace.Trace of the run, with trace=True (or a Trace) given
 
 
 class Stream:
@@ -92,7 +93,8 @@ class Stream:
 def stream(model, prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
            top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0, seed: int | None = None,
            stop: Sequence[str] = (), chat: bool = False, speculative=None, num_draft: int = 4,
-           kv: str = "contiguous", kv_memory: str | int | None = None, ignore_eos: bool = False) -> Stream:
+           kv: str = "contiguous", kv_memory: str | int | None = None, ignore_eos: bool = False,
+           trace=None) -> Stream:
     """Generate from `prompt` and yield text pieces as they decode (never half a UTF-8 character).
 
     prompt: a string (used as is, or wrapped in the model's chat template if `chat=True`), a list of chat
@@ -101,6 +103,8 @@ def stream(model, prompt, max_new_tokens: int = 256, temperature: float = 0.0, t
     sequence grows, paged.py); both give the same tokens. kv_memory ("64MiB", bytes): with kv="paged", the
     pool's budget; a request that could outgrow it is refused before any work.
     ignore_eos: keep generating past the end-of-sequence token (benchmarks use it for fixed output lengths).
+    trace: True (or a trace.Trace, to choose layers, heads and the position cap) records what the model did
+    inside, layer by layer, and every sampling stage; `result.trace` holds it. Same tokens, slower steps.
     speculative: a draft source ("self-q4", "self-int8", "layers:N", "ngram", "draft=PATH", or an object from
     speculative.make_draft) to draft `num_draft` tokens per target pass; the output distribution is unchanged.
     """
@@ -109,7 +113,12 @@ def stream(model, prompt, max_new_tokens: int = 256, temperature: float = 0.0, t
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"invalid max_new_tokens={max_new_tokens!r}: must be an integer >= 1")
     stops = StopStrings(stop)
+    if trace is True:
+        from .trace import Trace
+        trace = Trace()
     if speculative is not None:
+        if trace is not None:
+            raise ValueError("trace follows plain decoding: drop speculative=... to trace a run")
         from .speculative import make_draft
         if not isinstance(num_draft, int) or isinstance(num_draft, bool) or num_draft < 1:
             raise ValueError(f"invalid num_draft={num_draft!r}: must be an integer >= 1")
@@ -120,7 +129,7 @@ def stream(model, prompt, max_new_tokens: int = 256, temperature: float = 0.0, t
         raise ValueError("kv_memory sizes the paged pool: use it with kv='paged'")
     holder: list = []
     return Stream(_run(model, prompt, params, max_new_tokens, stops, chat, holder, speculative,
-                       (kv, kv_memory), ignore_eos), holder)
+                       (kv, kv_memory), ignore_eos, trace), holder)
 
 
 def generate(model, prompt, **kwargs) -> GenerationResult:
@@ -199,18 +208,22 @@ class StopStrings:
         return len(text) - hold
 
 
-def _plain_tokens(model, ids: list[int], cache, logits, params: SamplingParams, rng) -> Iterator[int]:
+def _plain_tokens(model, ids: list[int], cache, logits, params: SamplingParams, rng, trace=None) -> Iterator[int]:
     """Plain decoding: sample a token, feed it back through the model, repeat; one token per model pass."""
     history = list(ids)          # for the repetition penalty
     while True:
-        next_id = sample(logits, params, rng, history)
+        stages = [] if trace is not None else None
+        next_id = sample(logits, params, rng, history, stages)
+        if trace is not None:
+            trace.record_sampling(stages, next_id)
         yield next_id
         history.append(next_id)
-        logits = model.decode_step(next_id, cache)                       # [V]
+        logits = model.decode_step(next_id, cache, trace=trace)         # [V]
 
 
 def _run(model, prompt, params: SamplingParams, max_new_tokens: int, stops: StopStrings, chat: bool,
-         holder: list, speculative=None, kv=("contiguous", None), ignore_eos: bool = False) -> Iterator[str]:
+         holder: list, speculative=None, kv=("contiguous", None), ignore_eos: bool = False,
+         trace=None) -> Iterator[str]:
     t_start = time.perf_counter()
     tok = model.tokenizer
     ids = prompt_ids(model, prompt, chat)
@@ -226,11 +239,11 @@ def _run(model, prompt, params: SamplingParams, max_new_tokens: int, stops: Stop
 
     # --- prefill: the whole prompt in one pass -> logits for the first new token
     t0 = time.perf_counter()
-    logits = model.prefill(ids, cache)                                   # [V]
+    logits = model.prefill(ids, cache, trace=trace)                      # [V]
     stats.prefill_s = time.perf_counter() - t0
 
     if speculative is None:
-        tokens = _plain_tokens(model, ids, cache, logits, params, rng)
+        tokens = _plain_tokens(model, ids, cache, logits, params, rng, trace)
     else:                        # draft several tokens, verify them in one pass (speculative.py)
         from .speculative import SpeculativeStats, speculative_tokens
         draft, k = speculative
@@ -275,4 +288,4 @@ def _run(model, prompt, params: SamplingParams, max_new_tokens: int, stops: Stop
         yield text[shown:]
     stats.generated_tokens = len(out_ids)
     stats.kv_cache_bytes = cache.nbytes          # read at the end: a paged sequence takes blocks as it grows
-    holder.append(GenerationResult(out_ids, text, ids, stats, finish))
+    holder.append(GenerationResult(out_ids, text, ids, stats, finish, trace))

@@ -129,21 +129,21 @@ class Transformer:
         self._int8_inputs = name == "int8"  # what every linear of the forward pass is told
 
     # --- the three public ways in ----------------------------------------------------------------------------
-    def logits(self, ids) -> np.ndarray:
-        """No-cache reference forward over the whole sequence. -> [T, V] float32"""
-        return self.forward(ids, cache=None)
+    def logits(self, ids, trace=None) -> np.ndarray:
+        """No-cache reference forward over the whole sequence. -> [T, V] float32 (trace: a trace.Trace to fill)"""
+        return self.forward(ids, cache=None, trace=trace)
 
-    def prefill(self, ids, cache: ContiguousKVCache) -> np.ndarray:
+    def prefill(self, ids, cache: ContiguousKVCache, trace=None) -> np.ndarray:
         """Run the prompt through in one pass, filling `cache`. -> [V] logits of the last prompt position.
 
         Only the last position's logits are computed: the output head is V x D per row, and a prompt's other
         rows would be thrown away.
         """
-        return self.forward(ids, cache=cache, last_only=True)[0]
+        return self.forward(ids, cache=cache, last_only=True, trace=trace)[0]
 
-    def decode_step(self, token_id: int, cache: ContiguousKVCache) -> np.ndarray:
+    def decode_step(self, token_id: int, cache: ContiguousKVCache, trace=None) -> np.ndarray:
         """One new token at position cache.length, attending to everything cached. -> [V] logits"""
-        return self.forward([token_id], cache=cache)[0]
+        return self.forward([token_id], cache=cache, trace=trace)[0]
 
     def new_cache(self, max_seq_len: int | None = None) -> ContiguousKVCache:
         """A contiguous KV cache for up to `max_seq_len` positions (default: the model's context length)."""
@@ -161,14 +161,16 @@ class Transformer:
         return np.concatenate(self.forward_batch([[t] for t in token_ids], caches))
 
     # --- the forward pass -------------------------------------------------------------------------------------
-    def forward(self, ids, cache: ContiguousKVCache | None = None, last_only: bool = False) -> np.ndarray:
+    def forward(self, ids, cache: ContiguousKVCache | None = None, last_only: bool = False,
+                trace=None) -> np.ndarray:
         """Tokens `ids` at positions cache.length .. (or 0 .. without a cache). -> [T, V] (or [1, V] if last_only)"""
-        return self.forward_batch([ids], [cache], last_only=last_only)[0]
+        return self.forward_batch([ids], [cache], last_only=last_only, trace=trace)[0]
 
-    def forward_batch(self, seqs: list, caches: list, last_only: bool = False) -> list[np.ndarray]:
+    def forward_batch(self, seqs: list, caches: list, last_only: bool = False, trace=None) -> list[np.ndarray]:
         """Several sequences in one pass: their token rows are stacked into one [N, D] activation, so every
         matrix multiply runs once for all of them; only attention is done per sequence, against its own cache.
-        -> per sequence, [T_j, V] logits (or [1, V] with last_only)."""
+        -> per sequence, [T_j, V] logits (or [1, V] with last_only). trace (trace.Trace, one sequence only):
+        records what each layer computes; the pass then runs op by op."""
         if len(seqs) != len(caches) or not seqs:
             raise ValueError(f"need one cache (or None) per sequence, got {len(seqs)} sequences, {len(caches)} caches")
         ids = [self._check_ids(s) for s in seqs]
@@ -184,6 +186,10 @@ class Transformer:
             row += T
         positions = np.concatenate([np.arange(s.start, s.start + s.n_tokens) for s in segments])   # [N]
         o = self.ops.for_rows(row)                                  # the kernels a pass of this many rows runs on
+        if trace is not None:
+            if len(segments) != 1:
+                raise ValueError("a trace follows one sequence: trace a forward pass of a single sequence")
+            trace.begin_pass(self, ids[0], segments[0].start)
 
         x = self._embed(np.concatenate(ids))                        # [N, D]
         if self.pos_embed is not None:                              # gpt2: learned absolute positions
@@ -191,12 +197,12 @@ class Transformer:
             rope = None
         else:                                                       # llama: each row's rotation angles
             rope = self.rope_cos[positions], self.rope_sin[positions]   # 2 x [N, Dh/2]
-        if row <= o.FUSED_ROWS and self._fusable(segments):
+        if row <= o.FUSED_ROWS and trace is None and self._fusable(segments):
             self._fused_decode_blocks(o, x, segments[0])            # x [T, D], updated in place
         else:
             groups = attention_groups(segments)                     # who attends with whom: the same in every layer
             for i, layer in enumerate(self.layers):
-                x = self._block(o, x, layer, i, rope, groups)       # [N, D]
+                x = self._block(o, x, layer, i, rope, groups, trace)   # [N, D]
         for s in segments:
             if s.cache is not None:
                 s.cache.length = s.start + s.n_tokens
@@ -208,8 +214,9 @@ class Transformer:
             return [logits[j:j + 1] for j in range(len(segments))]
         return [logits[s.rows] for s in segments]
 
-    def _block(self, o, x, layer: LayerWeights, i: int, rope, groups: list) -> np.ndarray:
+    def _block(self, o, x, layer: LayerWeights, i: int, rope, groups: list, trace=None) -> np.ndarray:
         """One transformer block: x + attention(norm(x)), then x + mlp(norm(x)). o: the ops; x: [N, D] -> [N, D]"""
+        x_in = x
         c, a8 = self.config, self._int8_inputs
         T, H, KVH, Dh = x.shape[0], c.n_heads, c.n_kv_heads, c.head_dim
 
@@ -228,6 +235,7 @@ class Transformer:
             for g in groups:
                 att[g.rows] = g.attend(i, q[g.rows], k[g.rows], v[g.rows], o)
         x = x + o.linear(att, layer.wo, layer.bo, int8_inputs=a8)   # [T, D]
+        x_mid = x
 
         # feed-forward
         h = self._norm(o, x, layer.ffn_norm, layer.ffn_norm_b)     # [T, D]
@@ -235,7 +243,10 @@ class Transformer:
             h = o.swiglu(o.linear(h, layer.w_in, int8_inputs=a8))   # [T, 2F] -> [T, F]: silu(gate) * up
         else:
             h = o.gelu_tanh(o.linear(h, layer.w_in, layer.b_in, int8_inputs=a8))   # [T, F]
-        return x + o.linear(h, layer.w_out, layer.b_out, int8_inputs=a8)          # [T, D]
+        x = x + o.linear(h, layer.w_out, layer.b_out, int8_inputs=a8)             # [T, D]
+        if trace is not None and trace.records_layer(i):
+            trace.record_layer(i, q, k, v, x_in, x_mid, x)
+        return x
 
     def _fusable(self, segments: list[Segment]) -> bool:
         """Can this pass run each block as one call: one sequence on a contiguous cache, through Llama blocks

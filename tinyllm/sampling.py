@@ -64,27 +64,37 @@ def apply_repetition_penalty(logits: np.ndarray, history, penalty: float) -> np.
     return out
 
 
-def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """The distribution sampling draws from, after temperature, top-k, top-p and min-p. [V] -> [V] (sums to 1)"""
+def probabilities(logits: np.ndarray, params: SamplingParams, stages: list | None = None) -> np.ndarray:
+    """The distribution sampling draws from, after temperature, top-k, top-p and min-p. [V] -> [V] (sums to 1)
+    stages: if a list, (stage name, the distribution after it) is appended for each stage that is on."""
     z = logits.astype(np.float64) / params.temperature            # [V]
     z -= z.max()
+    if stages is not None:
+        stages.append(("temperature", _normalized(np.exp(z))))
     if 0 < params.top_k < len(z):                                 # keep the k largest
         kth = np.partition(z, -params.top_k)[-params.top_k]
         z = np.where(z >= kth, z, -np.inf)
-    p = np.exp(z)
-    p /= p.sum()
+    p = _normalized(np.exp(z))
+    if stages is not None and 0 < params.top_k < len(z):
+        stages.append(("top-k", p))
     if params.top_p < 1.0:                                        # nucleus: smallest prefix reaching top_p
         order = np.argsort(-p, kind="stable")
         cum = np.cumsum(p[order])
         keep = np.searchsorted(cum, params.top_p) + 1             # tokens needed to reach the mass
         mask = np.zeros_like(p, dtype=bool)
         mask[order[:keep]] = True
-        p = np.where(mask, p, 0.0)
-        p /= p.sum()
+        p = _normalized(np.where(mask, p, 0.0))
+        if stages is not None:
+            stages.append(("top-p", p))
     if params.min_p > 0.0:                                        # relative floor under the top token
-        p = np.where(p >= params.min_p * p.max(), p, 0.0)
-        p /= p.sum()
+        p = _normalized(np.where(p >= params.min_p * p.max(), p, 0.0))
+        if stages is not None:
+            stages.append(("min-p", p))
     return p
+
+
+def _normalized(p: np.ndarray) -> np.ndarray:
+    return p / p.sum()
 
 
 def draw(p: np.ndarray, rng: np.random.Generator) -> int:
@@ -100,9 +110,20 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return z - np.log(np.exp(z).sum())
 
 
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, history=()) -> int:
-    """Pick the next token id from `logits` ([V]); `history` is the ids so far (for the repetition penalty)."""
+def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, history=(),
+           stages: list | None = None) -> int:
+    """Pick the next token id from `logits` ([V]); `history` is the ids so far (for the repetition penalty).
+    stages: if a list, every stage's distribution is appended to it, in order, as (name, p [V]): "raw" (the
+    model's softmax), "repetition penalty", then those of `probabilities`, or "greedy" (all mass on the argmax);
+    the last one is the distribution the token is drawn from (trace.py keeps their top entries)."""
+    if stages is not None:
+        stages.append(("raw", np.exp(log_softmax(logits))))
     logits = apply_repetition_penalty(logits, history, params.repetition_penalty)
+    if stages is not None and params.repetition_penalty != 1.0:
+        stages.append(("repetition penalty", np.exp(log_softmax(logits))))
     if params.greedy:
-        return int(np.argmax(logits))
-    return draw(probabilities(logits, params), rng)
+        token = int(np.argmax(logits))
+        if stages is not None:
+            stages.append(("greedy", np.eye(1, len(logits), token)[0]))
+        return token
+    return draw(probabilities(logits, params, stages), rng)

@@ -1,0 +1,118 @@
+"""The trace: what it records equals what the run computed, and recording changes nothing."""
+import numpy as np
+import pytest
+
+import tinyllm
+from tinyllm import ops, sampling
+from tinyllm.trace import Trace, TraceLimitError
+from tiny_gguf import tiny_llama
+
+PROMPT = "hello world, the cat"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    p = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
+    tiny_llama(p)
+    return tinyllm.load(p)
+
+
+@pytest.fixture(scope="module")
+def traced(tiny):
+    return tinyllm.generate(tiny, PROMPT, max_new_tokens=6, trace=True)
+
+
+def test_attention_rows_are_causal_distributions(traced, tiny):
+    tr = traced.trace
+    S = len(tr.token_ids)
+    assert S == len(traced.prompt_ids) + len(traced.token_ids) - 1   # the last token is sampled, never run
+    for layer in tr.layers:
+        a = tr.attention(layer)                                        # [H, S, S]
+        assert a.shape == (tiny.config.n_heads, S, S) and a.dtype == np.float32
+        np.testing.assert_allclose(a.sum(-1), 1.0, atol=1e-5)
+        assert not np.triu(a, k=1).any() and (np.diagonal(a, axis1=1, axis2=2) > 0).all()
+
+
+def test_attention_probabilities_are_what_attention_used(traced, tiny):
+    """probs @ V of the trace equals the attention output the model computes from the recorded q, k, v (GQA)."""
+    tr = traced.trace
+    G = tiny.config.kv_mul
+    for layer in tr.layers:
+        q, k, v = tr.q(layer), tr.k(layer), tr.v(layer)
+        want = ops.attention(q, k, v, 0).reshape(q.shape)              # [S, H, Dh]
+        got = np.einsum("hts,shd->thd", tr.attention(layer), v[:, np.arange(q.shape[1]) // G])
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_last_layer_of_the_logit_lens_is_the_model_output(traced, tiny):
+    tr = traced.trace
+    ids, probs = tr.logit_lens(tr.layers[-1])                           # [S, 5] each
+    logits = tiny.logits(tr.token_ids)                                 # [S, V]
+    p = ops.softmax(logits.astype(np.float64), axis=-1)
+    np.testing.assert_array_equal(ids[:, 0], logits.argmax(-1))
+    np.testing.assert_allclose(probs, np.take_along_axis(p, ids, -1), atol=1e-5)
+    assert (np.diff(probs, axis=-1) <= 0).all()
+
+
+def test_traced_and_untraced_runs_give_the_same_tokens(tiny):
+    for kw in (dict(), dict(temperature=0.9, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.3, seed=3)):
+        plain = tinyllm.generate(tiny, PROMPT, max_new_tokens=8, **kw)
+        traced = tinyllm.generate(tiny, PROMPT, max_new_tokens=8, trace=True, **kw)
+        assert traced.token_ids == plain.token_ids and plain.trace is None
+
+
+def test_sampling_stages_compose_to_the_distribution_sampled(tiny):
+    """Each generated token's stages, in order, end in the distribution sampling.probabilities gives for the
+    penalized logits of that step; the drawn token is the one generated."""
+    kw = dict(temperature=0.8, top_k=15, top_p=0.8, min_p=0.05, repetition_penalty=1.2)
+    params = sampling.SamplingParams(**kw)
+    out = tinyllm.generate(tiny, PROMPT, max_new_tokens=5, trace=True, seed=7, ignore_eos=True, **kw)
+    tr = out.trace
+    names = [s.stage for s in tr.sampling[0].stages]
+    assert names == ["raw", "repetition penalty", "temperature", "top-k", "top-p", "min-p"]
+    ids = list(out.prompt_ids)
+    for j, chosen in enumerate(tr.sampling):
+        logits = tiny.logits(ids)[-1]
+        want = sampling.probabilities(sampling.apply_repetition_penalty(logits, ids, 1.2), params)
+        last = chosen.stages[-1]
+        np.testing.assert_allclose(last.probs, want[last.ids], atol=1e-5)   # (no-cache logits: ~1e-6 apart)
+        assert chosen.token == out.token_ids[j] and chosen.prob == pytest.approx(want[chosen.token], abs=1e-5)
+        assert np.count_nonzero(want) <= 15                            # top-k kept at most 15
+        ids.append(chosen.token)
+    greedy = tinyllm.generate(tiny, PROMPT, max_new_tokens=2, trace=True).trace.sampling[0]
+    assert [s.stage for s in greedy.stages] == ["raw", "greedy"] and greedy.prob == 1.0
+
+
+@pytest.mark.parametrize("other", [dict(backend="numpy"), dict(kv="paged")])
+def test_backends_and_caches_give_the_same_trace(tiny, traced, other):
+    if "backend" in other:
+        tiny.backend = "numpy"
+        try:
+            out = tinyllm.generate(tiny, PROMPT, max_new_tokens=6, trace=True)
+        finally:
+            tiny.backend = "numba"
+    else:
+        out = tinyllm.generate(tiny, PROMPT, max_new_tokens=6, trace=True, **other)
+    a, b = traced.trace, out.trace
+    assert a.token_ids == b.token_ids
+    for layer in a.layers:
+        np.testing.assert_allclose(b.attention(layer), a.attention(layer), atol=1e-4)
+        np.testing.assert_allclose(b.k(layer), a.k(layer), atol=1e-4)
+        np.testing.assert_allclose(b.residual_norms(layer), a.residual_norms(layer), rtol=1e-4)
+
+
+def test_the_no_cache_forward_can_be_traced_and_selections_bound_memory(tiny):
+    tr = Trace(layers=[1], heads=[0, 2])
+    logits = tiny.logits([5, 6, 7, 8], trace=tr)
+    np.testing.assert_array_equal(logits, tiny.logits([5, 6, 7, 8]))
+    assert tr.layers == [1] and tr.attention(1).shape == (2, 4, 4)
+    with pytest.raises(ValueError, match="layer 0 was not traced"):
+        tr.attention(0)
+    with pytest.raises(TraceLimitError, match="capped at 3 positions"):
+        tiny.logits([5, 6, 7, 8], trace=Trace(max_positions=3))
+    with pytest.raises(ValueError, match="out of range"):
+        tiny.logits([5, 6], trace=Trace(layers=[99]))
+    with pytest.raises(ValueError, match="one sequence"):
+        tiny.logits([1, 2], trace=tr)                                   # a second sequence into a used trace
+    with pytest.raises(ValueError, match="speculative"):
+        tinyllm.generate(tiny, PROMPT, max_new_tokens=2, trace=True, speculative="ngram")
