@@ -191,10 +191,17 @@ class Tokenizer:
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> "Tokenizer":
         """Build from a GGUF file's metadata (`tokenizer.ggml.*` keys, `tokenizer.chat_template`)."""
-        def get(key: str) -> Any:
+        def get(key: str, kind: type = str, default: Any = ..., of: type | None = None) -> Any:
+            """metadata[key], checked to be a `kind` (a list: of `of` items); ValueError naming the key."""
             if key not in metadata:
+                if default is not ...:
+                    return default
                 raise ValueError(f"GGUF metadata has no {key!r}: the file carries no (complete) tokenizer")
-            return metadata[key]
+            value = metadata[key]
+            if not (type(value) is kind and (of is None or all(type(v) is of for v in value))):
+                want = f"a list of {of.__name__}" if of else kind.__name__
+                raise ValueError(f"GGUF metadata {key!r} is not {want} (file corrupt?)")
+            return value
 
         model = get("tokenizer.ggml.model")
         if model != "gpt2":
@@ -205,8 +212,8 @@ class Tokenizer:
             raise ValueError(f"tokenizer.ggml.pre is {pre!r}, a pre-tokenizer tinyllm does not know; known: "
                              f"{', '.join(sorted(GGUF_PRETOKENIZERS))}")
         pattern, ignore_merges = GGUF_PRETOKENIZERS[pre]
-        tokens: list[str] = get("tokenizer.ggml.tokens")
-        types = metadata.get("tokenizer.ggml.token_type", [1] * len(tokens))
+        tokens: list[str] = get("tokenizer.ggml.tokens", list, of=str)
+        types = get("tokenizer.ggml.token_type", list, [1] * len(tokens), of=int)
         if len(types) != len(tokens):
             raise ValueError(f"GGUF metadata has {len(tokens)} tokens but {len(types)} token types")
 
@@ -221,11 +228,11 @@ class Tokenizer:
             else:
                 token_bytes.append(_byte_level_to_bytes(token, char_to_byte))
         vocab = {token: token_id for token_id, token in enumerate(tokens)}
-        merges = _merge_ids((m.split(" ") for m in get("tokenizer.ggml.merges")), vocab)
+        merges = _merge_ids((m.split(" ") for m in get("tokenizer.ggml.merges", list, of=str)), vocab)
         return cls(token_bytes, merges, pattern, added_tokens=added, special_ids=special,
-                   bos_id=metadata.get("tokenizer.ggml.bos_token_id"),
-                   eos_id=metadata.get("tokenizer.ggml.eos_token_id"),
-                   chat_template=metadata.get("tokenizer.chat_template"), ignore_merges=ignore_merges)
+                   bos_id=get("tokenizer.ggml.bos_token_id", int, None),
+                   eos_id=get("tokenizer.ggml.eos_token_id", int, None),
+                   chat_template=get("tokenizer.chat_template", str, None), ignore_merges=ignore_merges)
 
     @classmethod
     def from_tokenizer_json(cls, path: str | Path) -> "Tokenizer":
