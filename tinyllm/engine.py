@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from .generate import _held_back, end_token_ids
+from .generate import _held_back, as_token_ids, end_token_ids
 from .paged import OutOfBlocks, PagedKVCache, SequenceCache
 from .sampling import SamplingParams, sample
 
@@ -189,7 +189,8 @@ class Scheduler:
         if self.running and allocator.num_free - allocator.blocks_taken(req.all_ids) < self.watermark_blocks:
             return False
         try:
-            req.cache = self.pool.new_sequence(req.all_ids, seq_id=req.request_id)
+            # a namespaced name: a request id can never collide with the pool's own "seq{n}" names
+            req.cache = self.pool.new_sequence(req.all_ids, seq_id=("request", req.request_id))
         except OutOfBlocks:
             return False
         req.num_computed = req.cache.length                       # tokens served by the prefix cache
@@ -289,18 +290,27 @@ class Engine:
         stop_token_ids: ids that end it (default: the tokenizer's end-of-sequence ids); stop: stop strings
         (need a tokenizer). The stop token itself is not part of the output.
         """
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request id must be a non-empty string, got {request_id!r}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_ids = [int(i) for i in prompt_ids]
+        prompt_ids = as_token_ids(prompt_ids, "prompt_ids")
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
         V = self.model.config.vocab_size
         if any(not 0 <= i < V for i in prompt_ids):
             raise ValueError(f"prompt has token ids outside the vocabulary (0 .. {V - 1})")
-        if not isinstance(max_tokens, int) or max_tokens < 1:
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError(f"invalid max_tokens={max_tokens!r}: must be an integer >= 1")
+        if params is not None and not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(stop, str):
+            stop = [stop]
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError("stop strings must be non-empty strings")
         if stop and self.model.tokenizer is None:
             raise ValueError("stop strings need a model with a tokenizer")
+        stop_token_ids = None if stop_token_ids is None else as_token_ids(stop_token_ids, "stop_token_ids")
         req = Request(request_id, prompt_ids, params or SamplingParams(), max_tokens,
                       frozenset(self._ends if stop_token_ids is None else stop_token_ids), tuple(stop),
                       RequestMetrics(self.clock() if arrival_time is None else arrival_time))
@@ -321,7 +331,10 @@ class Engine:
         return req
 
     def abort(self, request_id: str) -> None:
-        req = self.requests[request_id]
+        """Stop a request (waiting or running) and free its blocks; a finished one is left as it is."""
+        req = self.requests.get(request_id) if isinstance(request_id, str) else None
+        if req is None:
+            raise ValueError(f"no request with id {request_id!r} to abort")
         if req.status != "finished":
             self.scheduler.finish(req)
             req.finish_reason = "abort"

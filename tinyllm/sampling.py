@@ -5,7 +5,8 @@ cost of a step. Order of operations (as in Hugging Face transformers):
 
     repetition penalty -> temperature -> top-k -> top-p -> min-p -> draw
 
-Temperature 0 means greedy: the argmax (after the repetition penalty). Randomness comes only from an
+Temperature 0 means greedy: the argmax (after the repetition penalty); so does any temperature below
+GREEDY_BELOW (as in vLLM), where dividing the logits by it would overflow to inf and the draw would be NaN garbage. Randomness comes only from an
 explicit `np.random.Generator`, so a seed reproduces a run exactly.
 """
 from __future__ import annotations
@@ -16,9 +17,12 @@ from dataclasses import dataclass
 import numpy as np
 
 
+GREEDY_BELOW = 1e-5   # a temperature under this samples the argmax: the distribution is one token anyway
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0          # 0 = greedy; 1 = the model's distribution; >1 flatter, <1 sharper
+    temperature: float = 0.0          # 0 (or < GREEDY_BELOW) = greedy; 1 = the model's distribution; >1 flatter, <1 sharper
     top_k: int = 0                    # keep the k most likely tokens (0 = off)
     top_p: float = 1.0                # keep the smallest set whose probability reaches p (1 = off)
     min_p: float = 0.0                # drop tokens below min_p * p(top token) (0 = off)
@@ -46,7 +50,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     def make_rng(self) -> np.random.Generator:
         return np.random.default_rng(self.seed)
@@ -66,6 +70,10 @@ def apply_repetition_penalty(logits: np.ndarray, history, penalty: float) -> np.
 
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """The distribution sampling draws from, after temperature, top-k, top-p and min-p. [V] -> [V] (sums to 1)"""
+    if params.greedy:                                             # the limit as temperature -> 0: one token
+        p = np.zeros(len(logits))
+        p[np.argmax(logits)] = 1.0
+        return p
     z = logits.astype(np.float64) / params.temperature            # [V]
     z -= z.max()
     if 0 < params.top_k < len(z):                                 # keep the k largest
