@@ -56,8 +56,8 @@ def write_gguf(path, metadata: dict, tensors: dict[str, np.ndarray], types: dict
         f.write(header + b"".join(blobs))
 
 
-def tiny_llama(path, *, n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn=48, drop=None, shapes=None,
-               types=None, seed=0) -> dict[str, np.ndarray]:
+def tiny_llama(path, *, n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn=48, context_length=64, drop=None,
+               shapes=None, types=None, seed=0) -> dict[str, np.ndarray]:
     """Write a tiny random llama GGUF with a byte-level tokenizer; returns the tensors written.
     drop: tensor name to leave out; shapes: name -> wrong shape to write instead."""
     rng = np.random.default_rng(seed)
@@ -77,7 +77,7 @@ def tiny_llama(path, *, n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn=48, dro
     hd = dim // n_heads
     md = {
         "general.architecture": "llama", "general.name": "tiny-test",
-        "llama.block_count": n_layers, "llama.context_length": 64, "llama.embedding_length": dim,
+        "llama.block_count": n_layers, "llama.context_length": context_length, "llama.embedding_length": dim,
         "llama.feed_forward_length": ffn, "llama.attention.head_count": n_heads,
         "llama.attention.head_count_kv": n_kv_heads, "llama.rope.freq_base": 10000.0,
         "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.vocab_size": V,

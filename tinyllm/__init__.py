@@ -46,6 +46,9 @@ def load(path: str | Path | None = None, quant: str | None = None, backend: str 
     from . import hub
     from .weights import QUANT_CHOICES, check_head_quant, load_checkpoint
 
+    if path is not None and not str(path).strip():
+        raise ValueError("the model path is empty: give a .gguf file or a Hugging Face directory (or none for the "
+                         "default model)")
     if quant not in QUANT_CHOICES:
         raise ValueError(f"unknown quant {quant!r}; choose one of: {', '.join(q for q in QUANT_CHOICES if q)}")
     if backend not in ("numba", "numpy"):
