@@ -124,6 +124,10 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except ArithmeticError as e:                            # a compiled kernel met inf/NaN activations
+        print(f"error: the model's arithmetic failed ({type(e).__name__}: {e}): its weights overflow float32; "
+              f"the model file is corrupt or not made for this engine", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

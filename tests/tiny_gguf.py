@@ -15,6 +15,8 @@ def _string(s: str) -> bytes:
 
 
 def _value(v) -> bytes:
+    if isinstance(v, bytes):
+        return v
     if isinstance(v, bool):
         return struct.pack("<I?", 7, v)
     if isinstance(v, int):
@@ -57,9 +59,10 @@ def write_gguf(path, metadata: dict, tensors: dict[str, np.ndarray], types: dict
 
 
 def tiny_llama(path, *, n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn=48, context_length=64, drop=None,
-               shapes=None, types=None, seed=0) -> dict[str, np.ndarray]:
+               shapes=None, types=None, seed=0, metadata=None) -> dict[str, np.ndarray]:
     """Write a tiny random llama GGUF with a byte-level tokenizer; returns the tensors written.
-    drop: tensor name to leave out; shapes: name -> wrong shape to write instead."""
+    drop: tensor name to leave out; shapes: name -> wrong shape to write instead; metadata: keys to add or
+    replace (a value of bytes is written as is, after the key: a hand-made type and value)."""
     rng = np.random.default_rng(seed)
     # GPT-2 byte-to-unicode table, so tokens are the printable strings byte-level BPE uses
     bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
@@ -85,6 +88,7 @@ def tiny_llama(path, *, n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn=48, con
         "tokenizer.ggml.token_type": [3, 3, 3] + [1] * (V - 3), "tokenizer.ggml.merges": merges,
         "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
     }
+    md.update(metadata or {})
     t = {"token_embd.weight": rng.normal(0, 0.5, (V, dim)), "output_norm.weight": 1 + rng.normal(0, 0.1, dim)}
     for i in range(n_layers):
         p = f"blk.{i}."

@@ -103,6 +103,9 @@ def draw(p: np.ndarray, rng: np.random.Generator) -> int:
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, history=()) -> int:
     """Pick the next token id from `logits` ([V]); `history` is the ids so far (for the repetition penalty)."""
+    if not np.isfinite(logits.max()):             # NaN and +inf propagate to the max: one cheap reduction
+        raise ValueError("the model's logits hold NaN or infinity (its weights overflow float32): the model file "
+                         "is corrupt or not made for this engine; no token can be chosen")
     logits = apply_repetition_penalty(logits, history, params.repetition_penalty)
     if params.greedy:
         return int(np.argmax(logits))

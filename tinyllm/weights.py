@@ -85,7 +85,9 @@ def check_finite(weights: dict, source: str) -> None:
         for a in w._arrays() if isinstance(w, QuantizedWeight) else [w]:
             # A sum is NaN or infinite whenever any term is, and costs one streaming pass; only a sum that
             # overflowed from finite terms needs the exact element-wise test.
-            if a.dtype.kind == "f" and not np.isfinite(a.sum()) and not np.isfinite(a).all():
+            with np.errstate(over="ignore", invalid="ignore"):
+                suspect = a.dtype.kind == "f" and not np.isfinite(a.sum())
+            if suspect and not np.isfinite(a).all():
                 where = int(np.flatnonzero(~np.isfinite(a.ravel()))[0])
                 raise CheckpointError(f"{source}: tensor {name!r} holds a non-finite value ({a.ravel()[where]}) at "
                                       f"flat index {where:,}; the file is corrupt: fetch it again")
@@ -230,10 +232,10 @@ def load_gguf(path: str | Path, quant: str | None = None) -> tuple[ModelConfig, 
                     weights[canonical.format(i=i)] = gg.tensor(name)
             except GGUFError as e:
                 raise CheckpointError(f"{gg.path}: tensor {name!r}: {e}") from None
+    check_shapes(config, weights, str(gg.path))      # first: the un-permutation needs the shapes it expects
     for i in range(config.n_layers):
         weights[f"layers.{i}.wq"] = unpermute_rope_rows(weights[f"layers.{i}.wq"], config.n_heads)
         weights[f"layers.{i}.wk"] = unpermute_rope_rows(weights[f"layers.{i}.wk"], config.n_kv_heads)
-    check_shapes(config, weights, str(gg.path))
     try:
         tokenizer = Tokenizer.from_gguf_metadata(gg.metadata)
     except (KeyError, ValueError) as e:
