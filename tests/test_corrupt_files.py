@@ -233,7 +233,7 @@ def test_fuzz_gguf_reader(gguf_file, tmp_path):
         out[at:at + size] = (value % (1 << (8 * size))).to_bytes(size, "little")
         (tmp_path / "m.gguf").write_bytes(bytes(out))
         loaded += loads_or_fails_in_one_line(tmp_path / "m.gguf")
-    for _, out in mutations(data, fields, rng, 400):
+    for _, out in mutations(data, fields, rng, 1200):
         (tmp_path / "m.gguf").write_bytes(out)
         loaded += loads_or_fails_in_one_line(tmp_path / "m.gguf")
     assert loaded > 0                                                    # some flips only touch weight values
