@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -106,8 +107,11 @@ def main() -> None:
         print(name, parts[name], flush=True)
     rows["int8_parts"] = parts
     n_pos = sum(len(s) for s in sequences)
+    threads = os.environ.get("NUMBA_NUM_THREADS")
+    command = " ".join([f"NUMBA_NUM_THREADS={threads}"] * bool(threads) + ["python benchmarks/quality.py"]
+                       + sys.argv[1:])
     lines = ["## Quality of the weight formats against fp32", "",
-             f"Measured {time.strftime('%Y-%m-%d %H:%M')} with `python benchmarks/quality.py` on "
+             f"Measured {time.strftime('%Y-%m-%d %H:%M')} with `{command}` on "
              f"{machine_line(machine_info())} ({time.time() - t_start:.0f} s). {n_pos:,} positions: the "
              f"{len(text_ids):,}-token text benchmarks/data/eval_text.txt and the {len(prompts)} reference prompts "
              f"of tests/fixtures. Perplexity is over the text alone.", "",
@@ -122,7 +126,9 @@ def main() -> None:
               "dequantized from, so it differs from fp32 only by summation order. `q4_1` quantizes the matrices to "
               "4 bits and keeps the embedding/output head (Q8_0 in the file) at int8-block, the default; "
               "`q4_1, 4-bit head` quantizes the head to 4 bits too (`head_quant=\"q4_1\"`, CLI "
-              "`--quant-head q4_1`). `+a8`: the same weights multiplying activations "
+              "`--quant-head q4_1`). On the default model `q4_1` equals `native`: the file's Q4_1 matrices are kept "
+              "as they are, and its Q8_0 embedding lands exactly on the int8-block grid. "
+              "`+a8`: the same weights multiplying activations "
               "rounded to int8 blocks of 32 (`activations=\"int8\"`, the fast integer kernels); `native+a8` against "
               "`native` isolates what rounding the activations costs.", "",
               "Targets (issue 3): int8 per-channel top-1 agreement >= 99%, mean KLD <= 0.001.", "",

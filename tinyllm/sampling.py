@@ -6,8 +6,8 @@ cost of a step. Order of operations (as in Hugging Face transformers):
     repetition penalty -> temperature -> top-k -> top-p -> min-p -> draw
 
 Temperature 0 means greedy: the argmax (after the repetition penalty); so does any temperature below
-GREEDY_BELOW (as in vLLM), where dividing the logits by it would overflow to inf and the draw would be NaN garbage. Randomness comes only from an
-explicit `np.random.Generator`, so a seed reproduces a run exactly.
+GREEDY_BELOW (as in vLLM), where dividing the logits by it would overflow to inf and the draw would be NaN
+garbage. Randomness comes only from an explicit `np.random.Generator`, so a seed reproduces a run exactly.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ GREEDY_BELOW = 1e-5   # a temperature under this samples the argmax: the distrib
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0          # 0 (or < GREEDY_BELOW) = greedy; 1 = the model's distribution; >1 flatter, <1 sharper
+    temperature: float = 0.0          # 0 (< GREEDY_BELOW) = greedy; 1 = the model's distribution; >1 flatter
     top_k: int = 0                    # keep the k most likely tokens (0 = off)
     top_p: float = 1.0                # keep the smallest set whose probability reaches p (1 = off)
     min_p: float = 0.0                # drop tokens below min_p * p(top token) (0 = off)

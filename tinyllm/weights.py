@@ -149,7 +149,8 @@ def _config_number(value, key: str, source: str, kind: type):
           isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0)
     if not ok:
         what = "a positive integer" if kind is int else "a finite positive number"
-        raise CheckpointError(f"{source}: {key} is {value!r}, expected {what}; the file is corrupt or not a model config")
+        raise CheckpointError(f"{source}: {key} is {value!r}, expected {what}; the file is corrupt or not a "
+                              f"model config")
     return kind(value)
 
 
@@ -297,7 +298,8 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raise CheckpointError(f"{path}: header is not valid JSON; not a safetensors file?") from None
     if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: header is a JSON {type(header).__name__}, not an object; not a safetensors file?")
+        raise CheckpointError(f"{path}: header is a JSON {type(header).__name__}, not an object; not a "
+                              f"safetensors file?")
     header.pop("__metadata__", None)
     data_size = len(buf) - 8 - n
     out = {}
