@@ -160,7 +160,12 @@ def test_q4_1_keeps_an_8_bit_head_unless_asked(tmp_path):
     assert isinstance(default.tok_embed, Int8Block) and default.lm_head is default.tok_embed
     assert isinstance(default.layers[0].wqkv, Q4Block)
     four_bit = tinyllm.load(path, quant="q4_1", head_quant="q4_1")
-    assert isinstance(four_bit.tok_embed, Q4Block)
+    assert isinstance(four_bit.tok_embed, Q4Block) and four_bit.weight_bytes < default.weight_bytes
+    ids = default.tokenizer.encode("hello hello")
+    for backend in ("numba", "numpy"):                               # the 4-bit head still runs on both paths
+        four_bit.backend = default.backend = backend
+        a, b = four_bit.logits(ids), default.logits(ids)
+        assert np.isfinite(a).all() and 0 < np.abs(a - b).max() < 0.5 * np.abs(b).max()
     with pytest.raises(ValueError, match="head_quant='q4_1' needs quantized matrices"):
         tinyllm.load(path, head_quant="q4_1")
     with pytest.raises(ValueError, match="unknown head_quant 'q3'"):
