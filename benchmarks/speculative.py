@@ -184,7 +184,7 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()[0]
     model = tinyllm.load()
     tok = model.tokenizer
-    prompts = {t: tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for t, p in TASKS.items()}
+    prompts = {t: tok.encode_chat([{"role": "user", "content": p}]) for t, p in TASKS.items()}
     drafts = {s: make_draft(model, s) for s in SOURCES}
     drafts[OWN_CACHE] = ModelDraft(drafts["self-q4"].model, OWN_CACHE, shares_cache=False)
     for s in SOURCES + [OWN_CACHE]:                               # warm-up: compile / load each draft's kernels

@@ -17,8 +17,17 @@ os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "1")   # before numpy loads Ope
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import tinyllm  # noqa: E402
-from tinyllm.hub import FetchError  # noqa: E402
+# Exit codes: 0 done, 2 bad input (arguments, prompt, model file), 74 an I/O or system failure that is not the
+# input's fault (output pipe closed, the default model cannot be fetched, out of memory; EX_IOERR of sysexits.h),
+# 130 interrupted (Ctrl-C).
+EXIT_BAD_INPUT, EXIT_IO_FAILURE, EXIT_INTERRUPTED = 2, 74, 130
+
+try:                     # importing numpy and Numba takes a while: Ctrl-C then must not print a traceback
+    import tinyllm  # noqa: E402
+    from tinyllm.hub import FetchError  # noqa: E402
+except KeyboardInterrupt:
+    print("\ninterrupted", file=sys.stderr)
+    sys.exit(EXIT_INTERRUPTED)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -29,6 +38,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quant", default=None, choices=["fp32", "int8", "int8-block", "q4_1", "native"],
                    help="weight format: fp32 (default), int8 per row, int8 per block of 32, 4-bit q4_1, or the "
                         "file's own blocks")
+    p.add_argument("--quant-head", default=None, choices=["fp32", "int8", "int8-block", "q4_1"],
+                   help="format of the output head (the tied embedding) when quantizing; default: int8-block for "
+                        "q4_1 (a 4-bit head costs much more quality than 4-bit matrices), the matrices' own otherwise")
     p.add_argument("--activations", default="float32", choices=["float32", "int8"],
                    help="with quantized weights: int8 rounds each linear's input to int8 blocks too and multiplies "
                         "in integers (llama.cpp's scheme: faster decode, slightly less exact)")
@@ -67,7 +79,8 @@ def main(argv=None) -> int:
         if args.threads is not None:
             tinyllm.set_threads(args.threads)
         t0 = time.perf_counter()
-        model = tinyllm.load(args.model, quant=args.quant, backend=args.backend, activations=args.activations)
+        model = tinyllm.load(args.model, quant=args.quant, backend=args.backend, activations=args.activations,
+                             head_quant=args.quant_head)
         load_s = time.perf_counter() - t0
         draft, draft_s = args.speculative, 0.0
         if draft is not None:            # build the draft now (a self-draft quantizes and compiles for seconds)
@@ -89,26 +102,46 @@ def main(argv=None) -> int:
                 sys.stdout.flush()
             sys.stdout.write("\n")
             res = s.result
-    except (ValueError, FetchError, OSError) as e:
+        if args.json:
+            out = {"prompt_ids": res.prompt_ids, "token_ids": res.token_ids, "text": res.text,
+                   "finish_reason": res.finish_reason, "load_s": load_s, "jit_s": model.jit_s,
+                   "quant": model.quant, "activations": model.activations, "weight_bytes": model.weight_bytes,
+                   "stats": res.stats.as_dict()}
+            if draft is not None:
+                out["draft_build_s"] = draft_s
+            print(json.dumps(out), flush=True)
+        else:
+            acts = ", int8 activations" if model.activations == "int8" else ""
+            built = f", draft built in {draft_s:.1f} s" if draft is not None else ""
+            print(f"[{res.finish_reason}] load {load_s:.1f} s (JIT {model.jit_s:.1f} s{built}) | {model.quant} "
+                  f"{model.weight_bytes / 2**20:.0f} MiB{acts} | {res.stats.summary()}", file=sys.stderr)
+    except BrokenPipeError:                                 # e.g. `generate.py ... | head -c 10`
+        _discard_stdout()
+        print("error: the output was closed before the answer was written (broken pipe)", file=sys.stderr)
+        return EXIT_IO_FAILURE
+    except FetchError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_IO_FAILURE
+    except MemoryError:
+        print("error: out of memory; try a smaller --quant format, --kv-memory or --max-new-tokens", file=sys.stderr)
+        return EXIT_IO_FAILURE
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except ArithmeticError as e:                            # a compiled kernel met inf/NaN activations
+        print(f"error: the model's arithmetic failed ({type(e).__name__}: {e}): its weights overflow float32; "
+              f"the model file is corrupt or not made for this engine", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
-        return 130
-    if args.json:
-        out = {"prompt_ids": res.prompt_ids, "token_ids": res.token_ids, "text": res.text,
-               "finish_reason": res.finish_reason, "load_s": load_s, "jit_s": model.jit_s,
-               "quant": model.quant, "activations": model.activations, "weight_bytes": model.weight_bytes,
-               "stats": res.stats.as_dict()}
-        if draft is not None:
-            out["draft_build_s"] = draft_s
-        print(json.dumps(out))
-    else:
-        acts = ", int8 activations" if model.activations == "int8" else ""
-        built = f", draft built in {draft_s:.1f} s" if draft is not None else ""
-        print(f"[{res.finish_reason}] load {load_s:.1f} s (JIT {model.jit_s:.1f} s{built}) | {model.quant} "
-              f"{model.weight_bytes / 2**20:.0f} MiB{acts} | {res.stats.summary()}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return 0
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's final flush does not fail on the closed pipe again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """scripts/generate.py as a user runs it: streamed text on stdout, one summary line on stderr, and one-line
 errors with exit code 2 for bad input."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -7,6 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tiny_gguf import tiny_llama
 
@@ -96,3 +99,121 @@ def test_kv_memory_too_small_one_line(tiny_path):
     r = run("--prompt", "hello", "--raw", "--kv", "paged", "--kv-memory", "1KiB", model=tiny_path)
     err = r.stderr.decode().strip()
     assert r.returncode == 2 and "KV memory" in err and len(err.splitlines()) == 1, err
+
+
+# --- in-process calls of main(): fast (no interpreter start and numba import per case) -------------------------
+@pytest.fixture(scope="module")
+def cli():
+    spec = importlib.util.spec_from_file_location("generate_cli", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def call(cli, capsys, *args):
+    """-> (exit code, stdout, stderr) of scripts/generate.py's main(args), run in this process."""
+    try:
+        code = cli.main([str(a) for a in args])
+    except SystemExit as e:                      # argparse's own errors
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code, err, expected_code=2):
+    lines = err.strip().splitlines()
+    assert code == expected_code and "Traceback" not in err, err
+    assert len(lines) == 1 or lines[0].startswith("usage:"), err   # argparse prints usage, then one error line
+
+
+def test_overflowing_weights_one_line_exit_2(cli, capsys, tmp_path):
+    from test_corrupt_files import overflowing_model
+    code, _, err = call(cli, capsys, "--prompt", "hello", "--raw", "--model", overflowing_model(tmp_path / "h.gguf"))
+    assert_one_line_error(code, err)
+    assert "overflow" in err
+
+
+def test_huge_kv_memory_one_line_exit_2(cli, capsys, tiny_path):
+    code, _, err = call(cli, capsys, "--prompt", "hello", "--raw", "--kv", "paged", "--kv-memory", "1TiB",
+                        "--model", tiny_path)
+    assert_one_line_error(code, err)
+    assert "KV memory 1TiB cannot be allocated" in err
+
+
+def test_quant_head_flag(cli, capsys, tmp_path):
+    path = tmp_path / "t.gguf"
+    tiny_llama(path, dim=64, ffn=64)
+    code, out, err = call(cli, capsys, "--prompt", "hello", "--raw", "--json", "--max-new-tokens", "2",
+                          "--quant", "q4_1", "--quant-head", "q4_1", "--model", path)
+    assert code == 0, err and json.loads(out)["quant"] == "q4_1"
+    code, _, err = call(cli, capsys, "--prompt", "hello", "--quant-head", "q4_1", "--model", path)
+    assert_one_line_error(code, err)
+    assert "needs quantized matrices" in err
+
+
+def test_closed_output_pipe_exits_74(tiny_path):
+    argv = [sys.executable, str(SCRIPT), "--prompt", "hello", "--raw", "--max-new-tokens", "40", "--model",
+            str(tiny_path)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()                                            # like `... | head -c 0`
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 74, err
+    assert "broken pipe" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_ctrl_c_during_imports_exits_130_without_traceback():
+    # A KeyboardInterrupt raised by `import tinyllm` itself, as Ctrl-C in the first half second would.
+    code = ("import builtins, runpy, sys\n"
+            "real = builtins.__import__\n"
+            "def imp(name, *a, **k):\n"
+            "    if name == 'tinyllm': raise KeyboardInterrupt\n"
+            "    return real(name, *a, **k)\n"
+            "builtins.__import__ = imp\n"
+            f"sys.argv = [{str(SCRIPT)!r}, '--prompt', 'x']\n"
+            f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
+    assert r.returncode == 130 and b"Traceback" not in r.stderr and b"interrupted" in r.stderr, r.stderr
+
+
+FLAG_VALUES = {
+    "--max-new-tokens": ["1", "3", "0", "-1", "2147483648", "1e3", "x", ""],
+    "--temperature": ["0", "0.7", "1e-320", "-1", "nan", "inf", "1e309", "x"],
+    "--top-k": ["0", "5", "-1", "99999999999999999999", "1.5"],
+    "--top-p": ["1", "0.5", "0", "1.5", "nan"],
+    "--min-p": ["0", "0.1", "-0.1", "2", "nan"],
+    "--repetition-penalty": ["1", "1.2", "0", "-1", "inf"],
+    "--seed": ["0", "7", "-1", "18446744073709551616", "x"],
+    "--stop": ["", "l", "hello", "\x00"],
+    "--threads": ["1", "0", "-2", "999"],
+    "--quant": ["int8", "q4_1", "int8-block", "native", "fp16"],
+    "--quant-head": ["q4_1", "fp32", "int4"],
+    "--activations": ["float32", "int8", "int4"],
+    "--backend": ["numpy", "numba", "cuda"],
+    "--kv": ["contiguous", "paged", "ring"],
+    "--kv-memory": ["64KiB", "1KiB", "0", "-5MiB", "1TiB", "lots", "1e3MiB"],
+    "--speculative": ["ngram", "layers:1", "layers:0", "layers:x", "draft=", "self-q4", "nope"],
+    "--num-draft": ["1", "4", "0", "-3", "10000"],
+    "--prompt": ["hello", "", "<|im_end|>", "\udcff", "x" * 2000],
+    "--model": [None, "", "/nonexistent.gguf", "/"],
+}
+SWITCHES = ["--raw", "--json"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(flags=st.dictionaries(st.sampled_from(sorted(FLAG_VALUES)), st.integers(0, 7), max_size=5),
+       switches=st.sets(st.sampled_from(SWITCHES)))
+def test_fuzz_cli_flags_exit_codes(cli, capsys, tiny_path, flags, switches):
+    args = ["--prompt", "hello", "--max-new-tokens", "3"]
+    model = str(tiny_path)
+    for flag, k in flags.items():
+        value = FLAG_VALUES[flag][k % len(FLAG_VALUES[flag])]
+        if flag == "--model":
+            model = model if value is None else value
+        else:
+            args += [flag, value]
+    code, out, err = call(cli, capsys, *args, *sorted(switches), "--model", model)
+    assert code in (0, 2), (args, code, err)
+    if code == 2:
+        assert_one_line_error(code, err)
+    else:
+        assert "Traceback" not in err and ("--json" not in switches or json.loads(out)["token_ids"] is not None)

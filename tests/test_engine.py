@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from tinyllm.engine import Engine
+from tinyllm.scheduler import pool_name
 from tinyllm.sampling import SamplingParams, sample
 from test_model import random_model
 
@@ -306,7 +307,7 @@ def test_n_samples_fork_the_prompt_blocks_and_each_equals_its_seeded_reference(m
     assert sorted(e.index for e in first) == [0, 1, 2] and {e.request_id for e in first} == {"a"}
     alloc = engine.pool.allocator
     assert alloc.num_used == 3                                     # the 3 prompt blocks, shared, not copied
-    assert all(alloc.ref[b] == 3 for b in alloc.tables["a"])
+    assert all(alloc.ref[b] == 3 for b in alloc.tables[pool_name("a")])
     events = first + list(engine.run())
     alloc.check_invariants()
     assert alloc.num_used == 0
@@ -367,3 +368,39 @@ def test_n_samples_survive_preemption(model):
     for i in range(4):
         rng = np.random.default_rng(9 if i == 0 else (9, i))
         assert [e.token_id for e in events if e.index == i] == reference_rng(model, prompt, 40, params, rng), i
+
+
+def test_request_ids_are_validated_and_never_collide_with_pool_names(model):
+    engine = Engine(model, num_blocks=32)
+    for bad_id in (None, "", 7):
+        with pytest.raises(ValueError, match="request id must be a non-empty string"):
+            engine.add_request(bad_id, [1, 2, 3], max_tokens=2)
+    other = engine.pool.new_sequence([1, 2])                       # the pool names it "seq0" itself
+    engine.add_request("seq0", [1, 2, 3], max_tokens=3)
+    events = list(engine.run())                                    # used to raise: 'seq0' already has blocks
+    assert [e.finished for e in events].count(True) == 1 and len(events) == 3
+    other.free()
+    assert engine.pool.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(stop=[""]), "stop strings must be non-empty"),
+    (dict(max_tokens=True), "invalid max_tokens"),
+    (dict(max_tokens=2.0), "invalid max_tokens"),
+    (dict(prompt_ids=[5.9]), "prompt_ids must be a list of integer token ids"),
+    (dict(prompt_ids=42), "prompt_ids must be a list of integer token ids"),
+    (dict(stop_token_ids=["a"]), "stop_token_ids must be a list of integer token ids"),
+    (dict(params={"temperature": 1}), "params must be a SamplingParams"),
+])
+def test_bad_request_values_are_refused(model, kwargs, message):
+    engine = Engine(model, num_blocks=32)
+    args = dict(prompt_ids=[1, 2, 3], max_tokens=2) | kwargs
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("a", **args)
+    assert not engine.requests and not engine.has_unfinished()
+
+
+def test_abort_of_an_unknown_id_is_a_clear_error(model):
+    engine = Engine(model, num_blocks=32)
+    with pytest.raises(ValueError, match="no request with id 'nope' to abort"):
+        engine.abort("nope")

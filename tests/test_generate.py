@@ -89,6 +89,32 @@ def test_stop_strings_cut_and_hold_back():
     assert StopStrings(["<|im_end|>", "|"]).safe_length("a <|im") == 2   # "<|im" could still become "<|im_end|>"
 
 
+def test_prompt_that_cannot_fit_is_refused_before_encoding(tiny, monkeypatch):
+    longest = tiny.tokenizer.max_token_bytes                     # 13: "<|endoftext|>"
+    monkeypatch.setattr(tiny.tokenizer, "_encode_word", lambda w: pytest.fail("encoded a prompt that cannot fit"))
+    text = "x" * (64 * longest)                                 # at least 64 tokens whatever the merges
+    for prompt, chat in [(text, False), (text, True), ([{"role": "user", "content": text}], False)]:
+        with pytest.raises(ValueError, match=f"at least 64 tokens .* context is 64"):
+            tinyllm.generate(tiny, prompt, chat=chat, max_new_tokens=1)
+
+
+@pytest.mark.parametrize("prompt", [42, [5.9], 3.5, [True, 2], [[1, 2]], {"a": 1}])
+def test_prompt_that_is_neither_text_nor_ids_is_refused(tiny, prompt):
+    with pytest.raises(ValueError, match="prompt must be text, a list of chat messages, or a list of integer"):
+        tinyllm.generate(tiny, prompt, max_new_tokens=1)
+
+
+def test_prompt_ids_as_list_tuple_or_array(tiny):
+    ids = tiny.tokenizer.encode("hello")
+    outs = [tinyllm.generate(tiny, p, max_new_tokens=3).token_ids for p in (ids, tuple(ids), np.array(ids))]
+    assert outs[0] == outs[1] == outs[2]
+
+
+def test_huge_kv_memory_is_a_one_line_error(tiny):
+    with pytest.raises(ValueError, match="KV memory 1TiB cannot be allocated"):
+        tinyllm.generate(tiny, "hello", max_new_tokens=2, kv="paged", kv_memory="1TiB")
+
+
 @pytest.mark.slow
 def test_default_model_answers_and_stops_at_eos(default_model):
     res = tinyllm.generate(default_model, "What is the capital of France?", chat=True, max_new_tokens=40)

@@ -96,6 +96,7 @@ def test_tokenizer_ids_match_reference(default_model, k):
     tok = default_model.tokenizer
     if p["kind"] == "chat":
         assert tok.apply_chat_template(p["messages"], add_generation_prompt=True) == p["text"]
+        assert tok.encode_chat(p["messages"]) == p["ids"]          # contents as text: the same ids here
     assert tok.encode(p["text"]) == p["ids"]
     assert tok.decode(p["ids"]) == p["text"]
 

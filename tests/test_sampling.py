@@ -71,3 +71,13 @@ def test_seed_reproduces():
 def test_invalid_values_are_refused(kwargs, name):
     with pytest.raises(ValueError, match=f"invalid {name}="):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-300, 5e-324])
+def test_tiny_temperature_is_greedy_not_nan(temperature):
+    logits = np.random.default_rng(0).normal(0, 5, 1000).astype(np.float32)
+    params = SamplingParams(temperature=temperature, seed=0)
+    rng = params.make_rng()
+    assert [sample(logits, params, rng) for _ in range(5)] == [int(np.argmax(logits))] * 5
+    p = probabilities(logits, params)
+    assert np.isfinite(p).all() and p[np.argmax(logits)] == 1.0

@@ -338,3 +338,20 @@ def test_cli_speculative(tiny_pair, tmp_path):
     assert "draft_build_s" in out and "draft_build_s" not in plain    # the draft is built before generating
     bad = subprocess.run(base + ["--speculative", "layers:x"], capture_output=True, timeout=300)
     assert bad.returncode == 2 and b"layers:N" in bad.stderr
+
+
+def test_draft_errors_say_they_are_the_drafts(tiny_pair, tmp_path):
+    target, _ = tiny_pair
+    short = tmp_path / "short.gguf"
+    tiny_llama(short, seed=5, n_layers=1, context_length=8)          # same tokenizer, a context of 8
+    with pytest.raises(ValueError, match="the draft model's context is 8 positions but the prompt has 1[0-9] tokens"):
+        tinyllm.generate(target, "hello hello hello hello hello", speculative=f"draft={short}", max_new_tokens=2)
+    with pytest.raises(ValueError, match="the model path is empty"):
+        make_draft(target, "draft=")                                  # not the current directory
+
+
+def test_large_num_draft_summary_stays_one_short_line(tiny_pair):
+    target, _ = tiny_pair
+    res = tinyllm.generate(target, "hello hello hello", max_new_tokens=8, speculative="ngram", num_draft=10_000)
+    summary = res.stats.speculative.summary()
+    assert len(res.stats.speculative.accepted_hist) == 10_001 and len(summary) < 400

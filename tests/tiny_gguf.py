@@ -15,6 +15,8 @@ def _string(s: str) -> bytes:
 
 
 def _value(v) -> bytes:
+    if isinstance(v, bytes):
+        return v
     if isinstance(v, bool):
         return struct.pack("<I?", 7, v)
     if isinstance(v, int):
@@ -56,10 +58,11 @@ def write_gguf(path, metadata: dict, tensors: dict[str, np.ndarray], types: dict
         f.write(header + b"".join(blobs))
 
 
-def tiny_llama(path, *, n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn=48, drop=None, shapes=None,
-               types=None, seed=0, metadata=None) -> dict[str, np.ndarray]:
+def tiny_llama(path, *, n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn=48, context_length=64, drop=None,
+               shapes=None, types=None, seed=0, metadata=None) -> dict[str, np.ndarray]:
     """Write a tiny random llama GGUF with a byte-level tokenizer; returns the tensors written.
-    drop: tensor name to leave out; shapes: name -> wrong shape to write instead; metadata: keys to add or replace."""
+    drop: tensor name to leave out; shapes: name -> wrong shape to write instead; metadata: keys to add or
+    replace (a value of bytes is written as is, after the key: a hand-made type and value)."""
     rng = np.random.default_rng(seed)
     # GPT-2 byte-to-unicode table, so tokens are the printable strings byte-level BPE uses
     bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
@@ -77,7 +80,7 @@ def tiny_llama(path, *, n_layers=2, dim=32, n_heads=4, n_kv_heads=2, ffn=48, dro
     hd = dim // n_heads
     md = {
         "general.architecture": "llama", "general.name": "tiny-test",
-        "llama.block_count": n_layers, "llama.context_length": 64, "llama.embedding_length": dim,
+        "llama.block_count": n_layers, "llama.context_length": context_length, "llama.embedding_length": dim,
         "llama.feed_forward_length": ffn, "llama.attention.head_count": n_heads,
         "llama.attention.head_count_kv": n_kv_heads, "llama.rope.freq_base": 10000.0,
         "llama.attention.layer_norm_rms_epsilon": 1e-5, "llama.vocab_size": V,

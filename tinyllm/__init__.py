@@ -24,23 +24,30 @@ __all__ = ["load", "generate", "stream", "set_threads", "Transformer", "ModelCon
 
 
 def load(path: str | Path | None = None, quant: str | None = None, backend: str = "numba",
-         activations: str = "float32") -> Transformer:
+         activations: str = "float32", head_quant: str | None = None) -> Transformer:
     """Load a model: a .gguf file, a Hugging Face directory, or (path=None) the default model.
 
     quant: None / "fp32" keeps float32 weights (dequantized from the file's storage type); "int8" (one scale
     per row), "int8-block" (one scale per 32 values), "q4_1" (4-bit, scale and minimum per 32 values)
     quantize the matrices at load; "native" keeps the file's own Q4_1 / Q8_0 blocks as they are.
+    head_quant: the output head's (and tied embedding's) format when quantizing: by default the matrices' own for
+    the 8-bit formats and "int8-block" for "q4_1" (a 4-bit head costs far more quality); "q4_1" or "fp32" overrides.
     backend: "numba" (fast kernels) or "numpy" (plain, steppable reference).
     activations: "float32" (quantized matrices multiply the float activations) or "int8" (the activations are
     rounded to int8 blocks too, and multiplied in integer arithmetic: llama.cpp's scheme, faster, less exact).
     """
     from . import hub
-    from .weights import QUANT_CHOICES, load_checkpoint
+    from .weights import QUANT_CHOICES, check_head_quant, load_checkpoint
 
+    if path is not None and not str(path).strip():
+        raise ValueError("the model path is empty: give a .gguf file or a Hugging Face directory (or none for the "
+                         "default model)")
     if quant not in QUANT_CHOICES:
         raise ValueError(f"unknown quant {quant!r}; choose one of: {', '.join(q for q in QUANT_CHOICES if q)}")
     if backend not in ("numba", "numpy"):
         raise ValueError(f"unknown backend {backend!r}; choose one of: numba, numpy")
-    config, weights, tokenizer, report = load_checkpoint(hub.ensure_default_model() if path is None else path, quant)
+    check_head_quant(quant, head_quant)
+    config, weights, tokenizer, report = load_checkpoint(hub.ensure_default_model() if path is None else path, quant,
+                                                         head_quant)
     return Transformer(config, weights, tokenizer, backend=backend, quant=quant, quant_report=report,
                        activations=activations)

@@ -26,10 +26,10 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from .generate import StopStrings, end_token_ids
+from .generate import StopStrings, as_token_ids, end_token_ids
 from .paged import PagedKVCache, SequenceCache
 from .sampling import SamplingParams, log_softmax, sample
-from .scheduler import POLICIES, Request, RequestMetrics, RequestOutput, Scheduler  # noqa: F401 (re-exported)
+from .scheduler import POLICIES, Request, RequestMetrics, RequestOutput, Scheduler, pool_name  # noqa: F401
 
 
 # --- engine -------------------------------------------------------------------------------------------------------
@@ -96,16 +96,20 @@ class Engine:
         With a seed s, sample i draws from default_rng((s, i)) (sample 0 from default_rng(s), as when n = 1).
         logprobs: also report each sampled token's log-probability and the `logprobs` most likely alternatives.
         """
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request id must be a non-empty string, got {request_id!r}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_ids = [int(i) for i in prompt_ids]
+        prompt_ids = as_token_ids(prompt_ids, "prompt_ids")
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
         V = self.model.config.vocab_size
         if any(not 0 <= i < V for i in prompt_ids):
             raise ValueError(f"prompt has token ids outside the vocabulary (0 .. {V - 1})")
-        if not isinstance(max_tokens, int) or max_tokens < 1:
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError(f"invalid max_tokens={max_tokens!r}: must be an integer >= 1")
+        if params is not None and not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         stop = StopStrings(stop)                                  # validated: non-empty strings
         if stop.strings and self.model.tokenizer is None:
             raise ValueError("stop strings need a model with a tokenizer")
@@ -114,6 +118,7 @@ class Engine:
                              f"({self.scheduler.max_num_seqs}), since the samples run side by side")
         if logprobs is not None and (not isinstance(logprobs, int) or not 0 <= logprobs <= V):
             raise ValueError(f"invalid logprobs={logprobs!r}: must be an integer in 0 .. {V} (or None)")
+        stop_token_ids = None if stop_token_ids is None else as_token_ids(stop_token_ids, "stop_token_ids")
         req = Request(request_id, prompt_ids, params or SamplingParams(), max_tokens,
                       frozenset(self._ends if stop_token_ids is None else stop_token_ids), stop,
                       RequestMetrics(self.clock() if arrival_time is None else arrival_time),
@@ -136,7 +141,9 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """End a request now and free its blocks; with n > 1, every sample forked from it too."""
-        req = self.requests[request_id]
+        req = self.requests.get(request_id) if isinstance(request_id, str) else None
+        if req is None:
+            raise ValueError(f"no request with id {request_id!r} to abort")
         for r in [req, *req.children]:
             if r.status != "finished":
                 r.finish_reason = "abort"
@@ -200,7 +207,7 @@ class Engine:
         child.rng = np.random.default_rng(None if seed is None else (seed, index))
         if self.model.tokenizer is not None:
             child.decoder = self.model.tokenizer.stream_decoder()
-        self.pool.allocator.fork(parent.request_id, child_id)
+        self.pool.allocator.fork(pool_name(parent.request_id), pool_name(child_id))
         child.cache = SequenceCache(self.pool, child_id)
         child.cache.length, child.cache.slots = parent.cache.length, parent.cache.slots.copy()
         used = {r.slot for r in self.scheduler.running}

@@ -145,18 +145,43 @@ def prompt_ids(model, prompt, chat: bool = False) -> list[int]:
     """Token ids for a prompt given as text, chat messages, or ids (checked against the vocabulary)."""
     tok = model.tokenizer
     if isinstance(prompt, str):
-        text = tok.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
-        ids = tok.encode(text)
+        _check_fits(model, [prompt])
+        ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
     elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-        ids = tok.encode(tok.apply_chat_template(list(prompt)))
+        _check_fits(model, [m.get("content") for m in prompt if isinstance(m.get("content"), str)])
+        ids = tok.encode_chat(list(prompt))
     else:
-        ids = [int(i) for i in np.asarray(prompt).ravel()]
+        ids = as_token_ids(prompt)
     if not ids:
         raise ValueError("the prompt is empty: give at least one token")
     V = model.config.vocab_size
     if any(not 0 <= i < V for i in ids):
         raise ValueError(f"prompt has token ids outside the vocabulary (0 .. {V - 1})")
     return ids
+
+
+def _check_fits(model, texts: list[str]) -> None:
+    """Refuse, before encoding, text whose byte length alone proves it cannot fit the context (encoding a
+    long text costs seconds; see Tokenizer.min_tokens)."""
+    ctx = model.config.context_length
+    at_least = sum(model.tokenizer.min_tokens(t) for t in texts)
+    if at_least >= ctx:
+        raise ValueError(f"the prompt has at least {at_least} tokens ({sum(len(t.encode()) for t in texts):,} bytes, "
+                         f"at most {model.tokenizer.max_token_bytes} per token) but the model's context is {ctx}: "
+                         f"shorten it")
+
+
+def as_token_ids(values, what: str = "prompt") -> list[int]:
+    """Token ids given as a list / tuple / range / 1-D array of integers: never text, floats, bools or a bare
+    number (`42` or `[5.9]` is a mistake, not a prompt). -> list[int]; ValueError naming `what` otherwise."""
+    if isinstance(values, np.ndarray) and values.ndim == 1 and values.dtype.kind in "iu":
+        return values.tolist()
+    if isinstance(values, (list, tuple, range)) and all(
+            isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in values):
+        return [int(i) for i in values]
+    raise ValueError(f"{what} must be text, a list of chat messages, or a list of integer token ids; got "
+                     f"{type(values).__name__} {str(values)[:40]!r}" if what == "prompt" else
+                     f"{what} must be a list of integer token ids; got {type(values).__name__} {str(values)[:40]!r}")
 
 
 def new_cache(model, max_seq_len: int, kv: str = "contiguous", kv_memory: str | int | None = None):
@@ -167,7 +192,11 @@ def new_cache(model, max_seq_len: int, kv: str = "contiguous", kv_memory: str | 
     from .paged import PagedKVCache
     if kv_memory is None:
         return PagedKVCache(model.config, block_size=16, num_blocks=-(-max_seq_len // 16)).new_sequence()
-    pool = PagedKVCache(model.config, block_size=16, memory=kv_memory)
+    try:
+        pool = PagedKVCache(model.config, block_size=16, memory=kv_memory)
+    except MemoryError:
+        raise ValueError(f"KV memory {kv_memory} cannot be allocated on this machine: give a smaller budget "
+                         f"(this request needs {max_seq_len * model.config.kv_bytes_per_token():,} bytes)") from None
     capacity = pool.num_blocks * pool.block_size
     if capacity < max_seq_len:
         raise ValueError(f"KV memory {kv_memory} holds {capacity} positions ({pool.bytes_per_token:,} bytes each) but "

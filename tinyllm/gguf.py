@@ -17,6 +17,7 @@ It deliberately does not write GGUF files.
 """
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ import numpy as np
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 QK = 32  # values per block in Q8_0 / Q4_0 / Q4_1
+MAX_DIM = 1 << 40      # a tensor dim at or above this is corruption (keeps numpy shapes and byte counts in range)
+MAX_ARRAY_NESTING = 8  # arrays of arrays deeper than this are corruption (real files nest at most 1 level)
 
 
 class GGUFError(ValueError):
@@ -96,7 +99,7 @@ class _Cursor:
         except UnicodeDecodeError:
             raise GGUFError(f"{self.path}: a string in the {self.region} is not valid UTF-8 (file corrupt)") from None
 
-    def value(self, vtype: int) -> Any:
+    def value(self, vtype: int, depth: int = 0) -> Any:
         if vtype in _SCALAR_FORMATS:
             return self.scalar(_SCALAR_FORMATS[vtype][0])
         if vtype == _STRING:
@@ -110,7 +113,10 @@ class _Cursor:
             if etype == _STRING:
                 return [self.string() for _ in range(count)]
             if etype == _ARRAY:
-                return [self.value(_ARRAY) for _ in range(count)]
+                if depth >= MAX_ARRAY_NESTING:
+                    raise GGUFError(f"{self.path}: metadata arrays nested more than {MAX_ARRAY_NESTING} deep in the "
+                                    f"{self.region} (file corrupt?)")
+                return [self.value(_ARRAY, depth + 1) for _ in range(count)]
             raise GGUFError(f"{self.path}: unknown array element type {etype} in the {self.region} (file corrupt?)")
         raise GGUFError(f"{self.path}: unknown metadata value type {vtype} in the {self.region} (file corrupt?)")
 
@@ -154,16 +160,20 @@ class GGUFFile:
             if n_dims > 4:
                 raise GGUFError(f"{self.path}: tensor {name!r} has {n_dims} dims (max 4): file corrupt?")
             dims = [cur.scalar("<Q") for _ in range(n_dims)]
+            if any(d >= MAX_DIM for d in dims):
+                raise GGUFError(f"{self.path}: tensor {name!r} has dims {dims}, beyond any real model (file corrupt?)")
             raw_index.append((name, dims, cur.scalar("<I"), cur.scalar("<Q")))
 
-        self.alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        self.alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not (type(self.alignment) is int and self.alignment > 0 and self.alignment & (self.alignment - 1) == 0):
+            raise GGUFError(f"{self.path}: general.alignment is {self.alignment!r}, not a power of two (file corrupt?)")
         data_start = -(-cur.pos // self.alignment) * self.alignment  # round up to the alignment
         self.tensors: dict[str, TensorInfo] = {}
         for name, dims, type_id, rel_offset in raw_index:
             if type_id not in GGML_TYPES:
                 raise GGUFError(f"{self.path}: tensor {name!r} has unknown ggml type id {type_id}")
             type_name, block, block_bytes = GGML_TYPES[type_id]
-            n = int(np.prod(dims, dtype=np.int64)) if dims else 1
+            n = math.prod(dims)   # Python ints: a corrupt dim cannot overflow here
             if dims and dims[0] % block:
                 raise GGUFError(f"{self.path}: tensor {name!r} row length {dims[0]} is not a multiple of "
                                 f"the {type_name} block size {block}")

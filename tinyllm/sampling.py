@@ -5,8 +5,9 @@ cost of a step. Order of operations (as in Hugging Face transformers):
 
     repetition penalty -> temperature -> top-k -> top-p -> min-p -> draw
 
-Temperature 0 means greedy: the argmax (after the repetition penalty). Randomness comes only from an
-explicit `np.random.Generator`, so a seed reproduces a run exactly.
+Temperature 0 means greedy: the argmax (after the repetition penalty); so does any temperature below
+GREEDY_BELOW (as in vLLM), where dividing the logits by it would overflow to inf and the draw would be NaN
+garbage. Randomness comes only from an explicit `np.random.Generator`, so a seed reproduces a run exactly.
 """
 from __future__ import annotations
 
@@ -16,9 +17,12 @@ from dataclasses import dataclass
 import numpy as np
 
 
+GREEDY_BELOW = 1e-5   # a temperature under this samples the argmax: the distribution is one token anyway
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0          # 0 = greedy; 1 = the model's distribution; >1 flatter, <1 sharper
+    temperature: float = 0.0          # 0 (< GREEDY_BELOW) = greedy; 1 = the model's distribution; >1 flatter
     top_k: int = 0                    # keep the k most likely tokens (0 = off)
     top_p: float = 1.0                # keep the smallest set whose probability reaches p (1 = off)
     min_p: float = 0.0                # drop tokens below min_p * p(top token) (0 = off)
@@ -46,7 +50,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     def make_rng(self) -> np.random.Generator:
         return np.random.default_rng(self.seed)
@@ -67,6 +71,10 @@ def apply_repetition_penalty(logits: np.ndarray, history, penalty: float) -> np.
 def probabilities(logits: np.ndarray, params: SamplingParams, stages: list | None = None) -> np.ndarray:
     """The distribution sampling draws from, after temperature, top-k, top-p and min-p. [V] -> [V] (sums to 1)
     stages: if a list, (stage name, the distribution after it) is appended for each stage that is on."""
+    if params.greedy:                                             # the limit as temperature -> 0: one token
+        p = np.zeros(len(logits))
+        p[np.argmax(logits)] = 1.0
+        return p
     z = logits.astype(np.float64) / params.temperature            # [V]
     z -= z.max()
     if stages is not None:
@@ -116,6 +124,9 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
     stages: if a list, every stage's distribution is appended to it, in order, as (name, p [V]): "raw" (the
     model's softmax), "repetition penalty", then those of `probabilities`, or "greedy" (all mass on the argmax);
     the last one is the distribution the token is drawn from (trace.py keeps their top entries)."""
+    if not np.isfinite(logits.max()):             # NaN and +inf propagate to the max: one cheap reduction
+        raise ValueError("the model's logits hold NaN or infinity (its weights overflow float32): the model file "
+                         "is corrupt or not made for this engine; no token can be chosen")
     if stages is not None:
         stages.append(("raw", np.exp(log_softmax(logits))))
     logits = apply_repetition_penalty(logits, history, params.repetition_penalty)

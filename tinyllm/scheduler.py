@@ -19,6 +19,12 @@ from .sampling import SamplingParams
 POLICIES = ("continuous", "static")
 
 
+def pool_name(request_id: str) -> tuple:
+    """A request's sequence name in the KV pool: namespaced, so that no request id collides with the pool's own
+    "seq{n}" names."""
+    return ("request", request_id)
+
+
 # --- requests -----------------------------------------------------------------------------------------------------
 @dataclass
 class RequestMetrics:
@@ -187,7 +193,7 @@ class Scheduler:
         if self.running and allocator.num_free - allocator.blocks_taken(req.all_ids) < self.watermark_blocks:
             return False
         try:
-            req.cache = self.pool.new_sequence(req.all_ids, seq_id=req.request_id)
+            req.cache = self.pool.new_sequence(req.all_ids, seq_id=pool_name(req.request_id))
         except OutOfBlocks:
             return False
         req.num_computed = req.cache.length                       # tokens served by the prefix cache

@@ -143,10 +143,15 @@ class SpeculativeStats:
                  cost_ratio=self.cost_ratio, expected_speedup=self.expected_speedup)
         return d
 
+    def _hist_text(self) -> str:
+        """The accepted-length histogram; for a large k only its non-zero entries, as {length: rounds}."""
+        hist = self.accepted_hist
+        return str(hist) if len(hist) <= 17 else str({i: n for i, n in enumerate(hist) if n})
+
     def summary(self) -> str:
         s = (f"speculative {self.source} k={self.num_draft} | accepted {self.accepted}/{self.drafted} "
              f"(alpha {self.alpha:.2f}) | {self.tokens_per_target_step:.2f} tok/target step | "
-             f"accepted lengths {self.accepted_hist} | draft {self.draft_s * 1e3:.0f} ms verify "
+             f"accepted lengths {self._hist_text()} | draft {self.draft_s * 1e3:.0f} ms verify "
              f"{self.verify_s * 1e3:.0f} ms (c {self.cost_ratio:.2f}) | expected {self.expected_speedup:.2f}x")
         if self.measured_speedup is not None:
             s += f" measured {self.measured_speedup:.2f}x"
@@ -182,7 +187,11 @@ class ModelDraft:
         if self.shares_cache:
             self.cache = target_cache
             return
-        self.cache = self.model.new_cache(min(max_seq_len, self.model.config.context_length))
+        ctx = self.model.config.context_length
+        if len(seq) - 1 > ctx:           # seq is the prompt and the first generated token
+            raise ValueError(f"the draft model's context is {ctx} positions but the prompt has {len(seq) - 1} tokens: "
+                             f"use a draft with a longer context, or a shorter prompt")
+        self.cache = self.model.new_cache(min(max_seq_len, ctx))
         if len(seq) > 1:
             self.model.prefill(seq[:-1], self.cache)
 

@@ -20,6 +20,7 @@ Not here: SentencePiece tokenizers (Llama 2), normalizers, byte fallback, BPE dr
 """
 from __future__ import annotations
 
+import heapq
 import json
 from itertools import chain
 from pathlib import Path
@@ -57,6 +58,8 @@ GGUF_PRETOKENIZERS: dict[str, tuple[str, bool]] = {
     "llama-bpe": (LLAMA3_PATTERN, True), "llama3": (LLAMA3_PATTERN, True),
     "qwen2": (QWEN2_PATTERN, False),
 }
+
+CHATML_MARKERS = ("<|im_start|>", "<|im_end|>")   # a turn's start and end: control tokens in ChatML vocabs
 
 # GGUF token types (llama.cpp's llama_token_type). Control and user-defined tokens are matched in text as a whole.
 TOKEN_TYPE_CONTROL = 3
@@ -119,19 +122,38 @@ def merge_pair(ids: list[int], pair: tuple[int, int], new_id: int) -> list[int]:
 
 
 def bpe(ids: list[int], ranks: Mapping[tuple[int, int], int], merged: Mapping[tuple[int, int], int]) -> list[int]:
-    """Byte-pair encode one word: while some adjacent pair has a merge, apply the one with the lowest rank.
+    """Byte-pair encode one word: while some adjacent pair has a merge, apply the one with the lowest rank
+    (among equal ranks, i.e. the same pair, the leftmost first). `ranks[pair]` is the merge's position in the
+    merges list (0 = learned first); `merged[pair]` the id it makes.
 
-    `ranks[pair]` is the merge's position in the merges list (0 = learned first); `merged[pair]` the id it makes.
-    Merging every occurrence of the best pair at once gives the same result as HF tokenizers' one-at-a-time
-    priority queue (equal ranks mean the same pair, which both take leftmost first).
+    O(n log n), as HF tokenizers does it, not the O(n^2) of rescanning every pair after each merge (a 100 KB
+    run without spaces is one word): the symbols form a linked list and a heap holds every candidate merge as
+    (rank, position of its left symbol). A merge rewrites its left symbol, unlinks the right one and pushes the
+    two pairs it creates; entries a merge made stale stay in the heap and are skipped when popped (their
+    position is dead, or the pair there now has another rank).
     """
-    no_merge = float("inf")
-    while len(ids) >= 2:
-        pair = min(zip(ids, ids[1:]), key=lambda p: ranks.get(p, no_merge))   # lowest-rank adjacent pair
-        if pair not in ranks:
-            break                                                              # nothing left to merge
-        ids = merge_pair(ids, pair, merged[pair])
-    return ids
+    n = len(ids)
+    symbol = list(ids)                       # [n] token id at each position; -1 once merged into its left
+    nxt = list(range(1, n)) + [-1]           # [n] position of the next live symbol, -1 at the end
+    prev = list(range(-1, n - 1))            # [n] position of the previous live symbol, -1 at the start
+    heap = [(ranks[pair], i) for i, pair in enumerate(zip(ids, ids[1:])) if pair in ranks]
+    heapq.heapify(heap)
+    while heap:
+        rank, i = heapq.heappop(heap)
+        j = nxt[i]
+        if symbol[i] < 0 or j < 0 or ranks.get((symbol[i], symbol[j])) != rank:
+            continue                                                           # stale entry
+        symbol[i], symbol[j] = merged[symbol[i], symbol[j]], -1
+        k = nxt[j]
+        nxt[i] = k
+        if k >= 0:
+            prev[k] = i
+            if (symbol[i], symbol[k]) in ranks:
+                heapq.heappush(heap, (ranks[symbol[i], symbol[k]], i))
+        p = prev[i]
+        if p >= 0 and (symbol[p], symbol[i]) in ranks:
+            heapq.heappush(heap, (ranks[symbol[p], symbol[i]], p))
+    return [s for s in symbol if s >= 0]
 
 
 # --- the tokenizer -----------------------------------------------------------------------------------------
@@ -186,15 +208,24 @@ class Tokenizer:
         longest_first = sorted(self._added, key=len, reverse=True)
         self._added_re = regex.compile("(" + "|".join(map(regex.escape, longest_first)) + ")") if self._added else None
         self._cache: dict[str, tuple[int, ...]] = {}    # word -> its ids
+        self.max_token_bytes = max(map(len, self._token_bytes), default=1)
+        self._unencodable = bytes(sorted(self.unencodable_bytes))
 
     # --- constructors from files ---------------------------------------------------------------------------
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> "Tokenizer":
         """Build from a GGUF file's metadata (`tokenizer.ggml.*` keys, `tokenizer.chat_template`)."""
-        def get(key: str) -> Any:
+        def get(key: str, kind: type = str, default: Any = ..., of: type | None = None) -> Any:
+            """metadata[key], checked to be a `kind` (a list: of `of` items); ValueError naming the key."""
             if key not in metadata:
+                if default is not ...:
+                    return default
                 raise ValueError(f"GGUF metadata has no {key!r}: the file carries no (complete) tokenizer")
-            return metadata[key]
+            value = metadata[key]
+            if not (type(value) is kind and (of is None or all(type(v) is of for v in value))):
+                want = f"a list of {of.__name__}" if of else kind.__name__
+                raise ValueError(f"GGUF metadata {key!r} is not {want} (file corrupt?)")
+            return value
 
         model = get("tokenizer.ggml.model")
         if model != "gpt2":
@@ -205,8 +236,8 @@ class Tokenizer:
             raise ValueError(f"tokenizer.ggml.pre is {pre!r}, a pre-tokenizer tinyllm does not know; known: "
                              f"{', '.join(sorted(GGUF_PRETOKENIZERS))}")
         pattern, ignore_merges = GGUF_PRETOKENIZERS[pre]
-        tokens: list[str] = get("tokenizer.ggml.tokens")
-        types = metadata.get("tokenizer.ggml.token_type", [1] * len(tokens))
+        tokens: list[str] = get("tokenizer.ggml.tokens", list, of=str)
+        types = get("tokenizer.ggml.token_type", list, [1] * len(tokens), of=int)
         if len(types) != len(tokens):
             raise ValueError(f"GGUF metadata has {len(tokens)} tokens but {len(types)} token types")
 
@@ -221,11 +252,11 @@ class Tokenizer:
             else:
                 token_bytes.append(_byte_level_to_bytes(token, char_to_byte))
         vocab = {token: token_id for token_id, token in enumerate(tokens)}
-        merges = _merge_ids((m.split(" ") for m in get("tokenizer.ggml.merges")), vocab)
+        merges = _merge_ids((m.split(" ") for m in get("tokenizer.ggml.merges", list, of=str)), vocab)
         return cls(token_bytes, merges, pattern, added_tokens=added, special_ids=special,
-                   bos_id=metadata.get("tokenizer.ggml.bos_token_id"),
-                   eos_id=metadata.get("tokenizer.ggml.eos_token_id"),
-                   chat_template=metadata.get("tokenizer.chat_template"), ignore_merges=ignore_merges)
+                   bos_id=get("tokenizer.ggml.bos_token_id", int, None),
+                   eos_id=get("tokenizer.ggml.eos_token_id", int, None),
+                   chat_template=get("tokenizer.chat_template", str, None), ignore_merges=ignore_merges)
 
     @classmethod
     def from_tokenizer_json(cls, path: str | Path) -> "Tokenizer":
@@ -299,6 +330,14 @@ class Tokenizer:
     def unencodable_bytes(self) -> frozenset[int]:
         """Byte values that have no single-byte token: encode drops them (see the module docstring)."""
         return frozenset(b for b in range(256) if self._byte_ids[b] is None)
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)) from the bytes alone, in one pass of C: every token stands for at
+        most `max_token_bytes` bytes of the text, and unencodable bytes for none. Lets a caller refuse a text
+        that cannot fit a context before spending time encoding it."""
+        _check_text(text)
+        n = len(text.encode("utf-8").translate(None, self._unencodable))
+        return -(-n // self.max_token_bytes)
 
     def clear_cache(self) -> None:
         """Forget the per-word BPE results (for cold-start benchmarks; results never change)."""
@@ -378,21 +417,44 @@ class Tokenizer:
 
         Every message becomes "<|im_start|>{role}\\n{content}<|im_end|>\\n". If the first message is not a system
         message, the template's default system message (if it has one) goes first. add_generation_prompt ends
-        the text with "<|im_start|>assistant\\n", so the model writes the answer next. Encode the result with
-        allow_special=True. Only the plain ChatML of SmolLM2-style templates is supported (no tools).
+        the text with "<|im_start|>assistant\\n", so the model writes the answer next. To get ids, use
+        `encode_chat`: encoding this text with encode() would also turn marker text inside a message into markers.
+        Only the plain ChatML of SmolLM2-style templates is supported (no tools).
         """
+        return "".join(text for text, _ in self._chat_parts(messages, add_generation_prompt))
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Ids of `apply_chat_template(messages)`: the template's own markers are the control tokens, and every
+        role and content is encoded as text, so a message holding "<|im_end|>" cannot end its turn early or
+        forge another one (prompt injection of control tokens)."""
+        parts = self._chat_parts(messages, add_generation_prompt)
+        if any(marker not in self._added for marker in CHATML_MARKERS):
+            raise ValueError("this model's vocabulary has no ChatML markers (<|im_start|>, <|im_end|>)")
+        ids: list[int] = []
+        for text, is_marker in parts:
+            ids += [self._added[text]] if is_marker else self.encode(text, allow_special=False)
+        return ids
+
+    def _chat_parts(self, messages: list[dict], add_generation_prompt: bool) -> list[tuple[str, bool]]:
+        """ChatML as (text, is_marker) parts: markers are the template's own <|im_start|> / <|im_end|>."""
         default_system = _chatml_default_system(self.chat_template)
-        out = []
+        if not isinstance(messages, (list, tuple)):
+            raise ValueError(f"messages must be a list of dicts, got {type(messages).__name__}")
+        start, end = CHATML_MARKERS
+        turns = []
         for k, message in enumerate(messages):
             if not (isinstance(message, Mapping) and isinstance(message.get("role"), str)
                     and isinstance(message.get("content"), str)):
                 raise ValueError(f"message {k} must be a dict with str 'role' and 'content', got {message!r}")
             if k == 0 and message["role"] != "system" and default_system is not None:
-                out.append(f"<|im_start|>system\n{default_system}<|im_end|>\n")
-            out.append(f"<|im_start|>{message['role']}\n{message['content']}<|im_end|>\n")
+                turns.append(("system", default_system))
+            turns.append((message["role"], message["content"]))
+        parts = []
+        for role, content in turns:
+            parts += [(start, True), (f"{role}\n{content}", False), (end, True), ("\n", False)]
         if add_generation_prompt:
-            out.append("<|im_start|>assistant\n")
-        return "".join(out)
+            parts += [(start, True), ("assistant\n", False)]
+        return parts
 
 
 class StreamDecoder:

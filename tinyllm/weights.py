@@ -17,6 +17,7 @@ No pickle is ever read: .bin / .pt checkpoints are refused.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import struct
 from pathlib import Path
@@ -38,11 +39,20 @@ QUANT_CHOICES = (None, "fp32", "native") + FORMATS
 MATRIX_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "w_fc", "w_proj", "tok_embed", "lm_head")
 
 
-def load_checkpoint(path: str | Path, quant: str | None = None):
+# The output head's format (and the tied embedding's) when quantizing, by the matrices' format. A 4-bit head costs
+# far more quality than 4-bit matrices do (benchmarks/RESULTS.md, quality), so 4-bit formats keep it at 8 bits, as
+# llama.cpp's 4-bit mixes and the default model's own file do. `head_quant=` overrides it.
+DEFAULT_HEAD_FORMAT = {"int8": "int8", "int8-block": "int8-block", "q4_1": "int8-block"}
+HEAD_NAMES = ("tok_embed", "lm_head")
+
+
+def load_checkpoint(path: str | Path, quant: str | None = None, head_quant: str | None = None):
     """-> (config, weights, tokenizer, quant_report). quant: None/"fp32", "int8", "int8-block", "q4_1", or
-    "native" (keep each GGUF tensor in the format the file stores it, where tinyllm has that format)."""
+    "native" (keep each GGUF tensor in the format the file stores it, where tinyllm has that format).
+    head_quant: the format of the output head and embedding when quantizing (default DEFAULT_HEAD_FORMAT[quant])."""
     if quant not in QUANT_CHOICES:
         raise ValueError(f"unknown quant {quant!r}; choose one of: fp32, native, {', '.join(FORMATS)}")
+    check_head_quant(quant, head_quant)
     path = Path(path)
     if path.is_dir():
         if quant == "native":
@@ -54,19 +64,46 @@ def load_checkpoint(path: str | Path, quant: str | None = None):
         config, weights, tokenizer = load_gguf(path, quant)
     else:
         raise CheckpointError(f"{path}: not a .gguf file or a Hugging Face model directory")
-    weights, report = quantize_weights(weights, quant)
+    check_finite(weights, str(path))
+    weights, report = quantize_weights(weights, quant, head_quant)
     return config, weights, tokenizer, report
+
+
+def check_head_quant(quant: str | None, head_quant: str | None) -> None:
+    if head_quant is None:
+        return
+    if quant not in FORMATS:
+        raise ValueError(f"head_quant={head_quant!r} needs quantized matrices (quant one of {', '.join(FORMATS)})")
+    if head_quant not in ("fp32",) + FORMATS:
+        raise ValueError(f"unknown head_quant {head_quant!r}; choose one of: fp32, {', '.join(FORMATS)}")
+
+
+def check_finite(weights: dict, source: str) -> None:
+    """CheckpointError naming the first tensor holding a NaN or an infinity (a corrupt file, or a diverged training
+    run): such a model would print garbage, or nothing, and exit as if all went well."""
+    for name, w in weights.items():
+        for a in w._arrays() if isinstance(w, QuantizedWeight) else [w]:
+            # A sum is NaN or infinite whenever any term is, and costs one streaming pass; only a sum that
+            # overflowed from finite terms needs the exact element-wise test.
+            with np.errstate(over="ignore", invalid="ignore"):
+                suspect = a.dtype.kind == "f" and not np.isfinite(a.sum())
+            if suspect and not np.isfinite(a).all():
+                where = int(np.flatnonzero(~np.isfinite(a.ravel()))[0])
+                raise CheckpointError(f"{source}: tensor {name!r} holds a non-finite value ({a.ravel()[where]}) at "
+                                      f"flat index {where:,}; the file is corrupt: fetch it again")
 
 
 def _is_matrix(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in MATRIX_NAMES
 
 
-def quantize_weights(weights: dict, quant: str | None) -> tuple[dict, list[dict]]:
-    """Quantize every float matrix to `quant` (leaving ones already quantized natively); report the error of each.
+def quantize_weights(weights: dict, quant: str | None, head_quant: str | None = None) -> tuple[dict, list[dict]]:
+    """Quantize every float matrix to `quant` (leaving ones already quantized natively), the output head and
+    embedding to `head_quant` (default DEFAULT_HEAD_FORMAT[quant]); report the error of each.
 
     A tied output head is the embedding table itself, so it is quantized once and stays shared.
     """
+    check_head_quant(quant, head_quant)
     report = []
     for name, w in weights.items():
         if isinstance(w, QuantizedWeight):
@@ -74,13 +111,15 @@ def quantize_weights(weights: dict, quant: str | None) -> tuple[dict, list[dict]
                                max_err=0.0, rms_err=0.0))
     if quant in (None, "fp32", "native"):
         return weights, report
+    head_quant = head_quant or DEFAULT_HEAD_FORMAT[quant]
     out = dict(weights)
     for name, w in weights.items():
-        if _is_matrix(name) and not isinstance(w, QuantizedWeight):
-            qw = quantize(w, quant)
+        fmt = head_quant if name in HEAD_NAMES else quant
+        if _is_matrix(name) and not isinstance(w, QuantizedWeight) and fmt != "fp32":
+            qw = quantize(w, fmt)
             max_err, rms_err = quantization_error(w, qw)
             out[name] = qw
-            report.append(dict(name=name, format=quant, shape=qw.shape, bytes=qw.nbytes,
+            report.append(dict(name=name, format=fmt, shape=qw.shape, bytes=qw.nbytes,
                                max_err=max_err, rms_err=rms_err))
     return out, report
 
@@ -101,6 +140,31 @@ _GGUF_NAMES = {  # GGUF tensor name -> canonical name ({i} = layer)
 }
 
 
+MAX_CONTEXT = 1 << 20   # positions; a larger context_length would make the RoPE tables alone gigabytes
+
+
+def _config_number(value, key: str, source: str, kind: type):
+    """A config value as a positive int (kind=int) or a finite positive float; CheckpointError naming the key."""
+    ok = (type(value) is int and value > 0 if kind is int else
+          isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0)
+    if not ok:
+        what = "a positive integer" if kind is int else "a finite positive number"
+        raise CheckpointError(f"{source}: {key} is {value!r}, expected {what}; the file is corrupt or not a "
+                              f"model config")
+    return kind(value)
+
+
+def _model_config(source: str, **fields) -> ModelConfig:
+    """ModelConfig(**fields), with its validation errors naming the file and the context bounded."""
+    if fields["context_length"] > MAX_CONTEXT:
+        raise CheckpointError(f"{source}: context length {fields['context_length']:,} is more than tinyllm supports "
+                              f"({MAX_CONTEXT:,}); the file is corrupt or the model too large for this engine")
+    try:
+        return ModelConfig(**fields)
+    except ValueError as e:
+        raise CheckpointError(f"{source}: {e}") from None
+
+
 def gguf_config(gg: GGUFFile) -> ModelConfig:
     """ModelConfig from GGUF metadata (`{arch}.block_count`, `{arch}.embedding_length`, ...)."""
     md = gg.metadata
@@ -109,20 +173,20 @@ def gguf_config(gg: GGUFFile) -> ModelConfig:
         raise CheckpointError(f"{gg.path}: GGUF architecture {arch!r} is not supported (tinyllm reads 'llama' GGUF "
                               f"files; GPT-2 models load from a Hugging Face directory)")
 
-    def get(key, default=None):
+    def get(key, kind=int, default=None):
         value = md.get(f"{arch}.{key}", default)
         if value is None:
             raise CheckpointError(f"{gg.path}: metadata key {arch}.{key} is missing; the file is incomplete")
-        return value
+        return _config_number(value, f"metadata key {arch}.{key}", gg.path, kind)
 
-    n_heads = int(get("attention.head_count"))
+    n_heads = get("attention.head_count")
     tokens = md.get("tokenizer.ggml.tokens")
-    vocab = int(md.get(f"{arch}.vocab_size", len(tokens) if tokens else 0))
-    return ModelConfig(
-        arch="llama", vocab_size=vocab, dim=int(get("embedding_length")), n_layers=int(get("block_count")),
-        n_heads=n_heads, n_kv_heads=int(get("attention.head_count_kv", n_heads)),
-        ffn_dim=int(get("feed_forward_length")), context_length=int(get("context_length")),
-        norm_eps=float(get("attention.layer_norm_rms_epsilon")), rope_theta=float(get("rope.freq_base", 10000.0)),
+    vocab = get("vocab_size", default=len(tokens) if isinstance(tokens, list) and tokens else None)
+    return _model_config(
+        gg.path, arch="llama", vocab_size=vocab, dim=get("embedding_length"), n_layers=get("block_count"),
+        n_heads=n_heads, n_kv_heads=get("attention.head_count_kv", default=n_heads),
+        ffn_dim=get("feed_forward_length"), context_length=get("context_length"),
+        norm_eps=get("attention.layer_norm_rms_epsilon", float), rope_theta=get("rope.freq_base", float, 10000.0),
         tie_embeddings="output.weight" not in gg.tensors, name=str(md.get("general.name", "")),
     )
 
@@ -169,10 +233,10 @@ def load_gguf(path: str | Path, quant: str | None = None) -> tuple[ModelConfig, 
                     weights[canonical.format(i=i)] = gg.tensor(name)
             except GGUFError as e:
                 raise CheckpointError(f"{gg.path}: tensor {name!r}: {e}") from None
+    check_shapes(config, weights, str(gg.path))      # first: the un-permutation needs the shapes it expects
     for i in range(config.n_layers):
         weights[f"layers.{i}.wq"] = unpermute_rope_rows(weights[f"layers.{i}.wq"], config.n_heads)
         weights[f"layers.{i}.wk"] = unpermute_rope_rows(weights[f"layers.{i}.wk"], config.n_kv_heads)
-    check_shapes(config, weights, str(gg.path))
     try:
         tokenizer = Tokenizer.from_gguf_metadata(gg.metadata)
     except (KeyError, ValueError) as e:
@@ -223,42 +287,84 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     bf16 is widened to fp32 by shifting its 16 bits into the top half of a 32-bit word.
     """
     with open(path, "rb") as f:
+        if f.seek(0, 2) < 8:
+            raise CheckpointError(f"{path}: file is truncated (no header); fetch it again")
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    if len(buf) < 8:
-        raise CheckpointError(f"{path}: file is truncated (no header); fetch it again")
     (n,) = struct.unpack("<Q", buf[:8])
     if 8 + n > len(buf):
         raise CheckpointError(f"{path}: file is truncated in its header; fetch it again")
     try:
         header = json.loads(bytes(buf[8:8 + n]))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raise CheckpointError(f"{path}: header is not valid JSON; not a safetensors file?") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header is a JSON {type(header).__name__}, not an object; not a "
+                              f"safetensors file?")
     header.pop("__metadata__", None)
+    data_size = len(buf) - 8 - n
     out = {}
     for name, info in header.items():
-        dtype = _ST_DTYPES.get(info["dtype"])
-        if dtype is None:
-            raise CheckpointError(f"{path}: tensor {name!r} has dtype {info['dtype']}; tinyllm reads "
-                                  f"{', '.join(_ST_DTYPES)} safetensors")
-        begin, end = info["data_offsets"]
-        if 8 + n + end > len(buf):
+        dtype, shape, begin, end = _safetensors_entry(path, name, info)
+        if end > data_size:
             raise CheckpointError(f"{path}: file is truncated in tensor {name!r}; fetch it again")
         raw = np.frombuffer(buf, dtype=np.uint8, count=end - begin, offset=8 + n + begin)
+        itemsize = 2 if dtype == "bf16" else np.dtype(dtype).itemsize
+        if raw.size != math.prod(shape) * itemsize:
+            raise CheckpointError(f"{path}: tensor {name!r} has {raw.size} bytes for shape {shape} of {info['dtype']}")
         if dtype == "bf16":
             arr = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
         else:
             arr = raw.view(dtype).astype(np.float32)
-        if arr.size != int(np.prod(info["shape"], dtype=np.int64)):
-            raise CheckpointError(f"{path}: tensor {name!r} has {arr.size} values for shape {info['shape']}")
-        out[name] = arr.reshape(info["shape"])
+        out[name] = arr.reshape(shape)
     return out
+
+
+def _safetensors_entry(path: Path, name: str, info) -> tuple:
+    """(dtype, shape, begin, end) of one header entry, every field checked; CheckpointError naming the tensor."""
+    def bad(what: str):
+        raise CheckpointError(f"{path}: tensor {name!r} has {what} in the header (file corrupt?)")
+
+    if not isinstance(info, dict):
+        bad(f"entry {info!r} instead of an object")
+    dtype = info.get("dtype")
+    if not isinstance(dtype, str) or dtype not in _ST_DTYPES:
+        raise CheckpointError(f"{path}: tensor {name!r} has dtype {dtype!r}; tinyllm reads "
+                              f"{', '.join(_ST_DTYPES)} safetensors")
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not (isinstance(shape, list) and len(shape) <= 8 and all(type(d) is int and 0 <= d < 1 << 40 for d in shape)):
+        bad(f"shape {shape!r}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):
+        bad(f"data_offsets {offsets!r}")
+    return _ST_DTYPES[dtype], tuple(shape), offsets[0], offsets[1]
 
 
 # --- Hugging Face directories --------------------------------------------------------------------------------
 def hf_config(cfg: dict, source: str) -> ModelConfig:
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{source}: config.json holds a JSON {type(cfg).__name__}, not an object")
+
+    def get(key, kind=int, default=None):
+        value = cfg.get(key)
+        if value is None:
+            if default is None:
+                raise CheckpointError(f"{source}: config.json has no {key!r}; it is incomplete")
+            value = default
+        return _config_number(value, f"config.json {key!r}", source, kind)
+
+    def flag(key) -> bool:
+        value = cfg.get(key, False)
+        if not isinstance(value, (bool, type(None))):
+            raise CheckpointError(f"{source}: config.json {key!r} is {value!r}, expected true or false")
+        return bool(value)
+
     model_type = cfg.get("model_type")
+    name = cfg.get("_name_or_path", "")
+    name = name if isinstance(name, str) else ""
     if model_type in ("llama", "mistral"):
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise CheckpointError(f"{source}: config.json rope_scaling is {rope!r}, expected an object")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", None):
             raise CheckpointError(f"{source}: RoPE scaling {rope_type!r} is not supported (only plain RoPE)")
@@ -266,26 +372,26 @@ def hf_config(cfg: dict, source: str) -> ModelConfig:
             raise CheckpointError(f"{source}: llama models with mlp_bias are not supported")
         if cfg.get("sliding_window") and model_type == "mistral":
             raise CheckpointError(f"{source}: sliding-window attention is not supported")
-        n_heads = cfg["num_attention_heads"]
-        return ModelConfig(
-            arch="llama", vocab_size=cfg["vocab_size"], dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"],
-            n_heads=n_heads, n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
-            ffn_dim=cfg["intermediate_size"], context_length=cfg.get("max_position_embeddings", 2048),
-            norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), attn_bias=bool(cfg.get("attention_bias")),
-            explicit_head_dim=cfg.get("head_dim"), name=cfg.get("_name_or_path", ""),
+        n_heads = get("num_attention_heads")
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        return _model_config(
+            source, arch="llama", vocab_size=get("vocab_size"), dim=get("hidden_size"),
+            n_layers=get("num_hidden_layers"), n_heads=n_heads, n_kv_heads=get("num_key_value_heads", default=n_heads),
+            ffn_dim=get("intermediate_size"), context_length=get("max_position_embeddings", default=2048),
+            norm_eps=get("rms_norm_eps", float, 1e-6),
+            rope_theta=_config_number(theta, "config.json 'rope_theta'", source, float),
+            tie_embeddings=flag("tie_word_embeddings"), attn_bias=flag("attention_bias"),
+            explicit_head_dim=get("head_dim") if cfg.get("head_dim") is not None else None, name=name,
         )
     if model_type == "gpt2":
         act = cfg.get("activation_function", "gelu_new")
         if act not in ("gelu_new", "gelu_pytorch_tanh"):
             raise CheckpointError(f"{source}: GPT-2 activation {act!r} is not supported (only gelu_new)")
-        D = cfg["n_embd"]
-        return ModelConfig(
-            arch="gpt2", vocab_size=cfg["vocab_size"], dim=D, n_layers=cfg["n_layer"], n_heads=cfg["n_head"],
-            n_kv_heads=cfg["n_head"], ffn_dim=cfg.get("n_inner") or 4 * D, context_length=cfg["n_positions"],
-            norm_eps=cfg.get("layer_norm_epsilon", 1e-5), tie_embeddings=True, attn_bias=True,
-            name=cfg.get("_name_or_path", ""),
+        D = get("n_embd")
+        return _model_config(
+            source, arch="gpt2", vocab_size=get("vocab_size"), dim=D, n_layers=get("n_layer"), n_heads=get("n_head"),
+            n_kv_heads=get("n_head"), ffn_dim=get("n_inner", default=4 * D), context_length=get("n_positions"),
+            norm_eps=get("layer_norm_epsilon", float, 1e-5), tie_embeddings=True, attn_bias=True, name=name,
         )
     raise CheckpointError(f"{source}: model_type {model_type!r} is not supported (tinyllm runs llama, mistral "
                           f"without sliding window, and gpt2)")
@@ -335,11 +441,17 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray], Tokeniz
     if not cfg_path.exists():
         raise CheckpointError(f"{path}: no config.json; a Hugging Face model directory needs config.json, "
                               f"*.safetensors and tokenizer.json")
-    config = hf_config(json.loads(cfg_path.read_text()), str(path))
+    config = hf_config(_read_json(cfg_path), str(path))
     index = path / "model.safetensors.index.json"
     if index.exists():  # sharded: the index maps each tensor to its shard file
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        index_json = _read_json(index)
+        weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
+        if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
+            raise CheckpointError(f"{index}: 'weight_map' is not a mapping of tensor names to shard files")
+        shards = sorted(set(weight_map.values()))
         files = [path / s for s in shards]
+        if any(not s or Path(s).name != s for s in shards):
+            raise CheckpointError(f"{index}: a shard name is a path, not a file in {path}")
     else:
         files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -360,4 +472,17 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray], Tokeniz
     tok_path = path / "tokenizer.json"
     if not tok_path.exists():
         raise CheckpointError(f"{path}: no tokenizer.json; tinyllm needs the model's tokenizer.json beside its weights")
-    return config, weights, Tokenizer.from_tokenizer_json(tok_path)
+    try:
+        tokenizer = Tokenizer.from_tokenizer_json(tok_path)
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        detail = f"missing key {e}" if isinstance(e, KeyError) else str(e).removeprefix(f"{tok_path}: ")
+        raise CheckpointError(f"{tok_path}: cannot build the tokenizer: {detail}") from None
+    return config, weights, tokenizer
+
+
+def _read_json(path: Path):
+    """A JSON file's value; CheckpointError naming the file if it is not UTF-8 JSON."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e.__class__.__name__}: {str(e)[:80]})") from None

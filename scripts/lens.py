@@ -1,0 +1,97 @@
+"""The logit lens: what the model would predict if it stopped after each layer.
+
+    python scripts/lens.py --prompt "The capital of France is"
+    python scripts/lens.py --prompt "..." --out lens.png --positions 8
+
+Each layer's output goes through the final norm and the output head (nostalgebraist 2020). The table shows,
+per layer (rows) and position (columns), the most likely next token; the PNG colours each cell by that token's
+probability. The last row is the model's own prediction. PNGs need matplotlib (the `viz` extra).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "1")   # before numpy loads OpenBLAS: idle threads sleep (threads.py)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import numpy as np  # noqa: E402
+
+import tinyllm  # noqa: E402
+from tinyllm.generate import prompt_ids  # noqa: E402
+from tinyllm.trace import Trace  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="The logit lens of a prompt: the top next token after every layer.")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--model", default=None, help="a .gguf file or HF directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--positions", type=int, default=10, help="show the last N positions in the table (default 10)")
+    p.add_argument("--out", default=None, help="also write a PNG heatmap here")
+    p.add_argument("--max-positions", type=int, default=256, help="longest prompt to trace (memory bound)")
+    return p.parse_args(argv)
+
+
+def lens_table(trace: Trace, last: int) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """-> (token labels of the shown positions, top ids [L, P], their probabilities [L, P])."""
+    S = len(trace.token_ids)
+    shown = slice(max(0, S - last), S)
+    ids, probs = zip(*(trace.logit_lens(layer, top=1) for layer in trace.layers))
+    return trace.tokens[shown], np.stack(ids)[:, shown, 0], np.stack(probs)[:, shown, 0]
+
+
+def render(model, labels, top_ids, top_probs) -> str:
+    piece = lambda i: model.tokenizer.decode([int(i)]).replace("\n", "\\n")[:10]   # noqa: E731
+    width = 12
+    lines = ["layer | " + "".join(f"{lab.replace(chr(10), chr(92) + 'n')[:width - 1]!r:<{width}}" for lab in labels)]
+    for layer in range(top_ids.shape[0]):
+        cells = "".join(f"{piece(i) + f' {p:.2f}':<{width}}" for i, p in zip(top_ids[layer], top_probs[layer]))
+        lines.append(f"{layer:5d} | {cells}")
+    return "\n".join(lines)
+
+
+def plot(model, labels, top_ids, top_probs, out: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        sys.exit("error: the PNG needs matplotlib: pip install -e \".[viz]\"")
+    L, P = top_ids.shape
+    fig, ax = plt.subplots(figsize=(1.0 + 1.1 * P, 0.9 + 0.28 * L))
+    ax.imshow(top_probs, cmap="Blues", vmin=0, vmax=1, aspect="auto")
+    for layer in range(L):
+        for p in range(P):
+            ax.text(p, layer, model.tokenizer.decode([int(top_ids[layer, p])]).replace("\n", "\\n")[:8],
+                    ha="center", va="center", fontsize=6, color="black" if top_probs[layer, p] < 0.6 else "white")
+    ax.set_xticks(range(P), [lab.replace("\n", "\\n") for lab in labels], rotation=45, ha="right", fontsize=7)
+    ax.set_yticks(range(L), [str(i) for i in range(L)], fontsize=6)
+    ax.set_xlabel("input position (the token shown is what each layer predicts comes next)")
+    ax.set_ylabel("layer")
+    ax.set_title("logit lens: top next token per layer, shaded by its probability", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        model = tinyllm.load(args.model)
+        trace = Trace(max_positions=args.max_positions)
+        model.logits(prompt_ids(model, args.prompt, chat=args.chat), trace=trace)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    labels, top_ids, top_probs = lens_table(trace, args.positions)
+    print(render(model, labels, top_ids, top_probs))
+    if args.out:
+        plot(model, labels, top_ids, top_probs, args.out)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
