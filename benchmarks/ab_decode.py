@@ -23,16 +23,20 @@ from pathlib import Path
 FORMATS = ["fp32", "int8", "int8-block", "q4_1", "int8+a8", "int8-block+a8", "q4_1+a8", "native+a8"]
 
 WORKER = r"""
-import json, sys, time
+import inspect, json, sys, time
 import numpy as np
 import tinyllm
+# the same weights on both sides: where load() knows head_quant, q4_1 keeps the 4-bit head it always had before
+SAME_HEAD = "head_quant" in inspect.signature(tinyllm.load).parameters
 tinyllm.set_threads(THREADS)
 models = {}
 for line in sys.stdin:
     fmt, S, steps = json.loads(line)
     if fmt not in models:
         quant, _, a8 = fmt.partition("+")
-        models[fmt] = tinyllm.load(quant=None if quant == "fp32" else quant, activations="int8" if a8 else "float32")
+        kw = dict(head_quant="q4_1") if SAME_HEAD and quant == "q4_1" else {}
+        models[fmt] = tinyllm.load(quant=None if quant == "fp32" else quant, activations="int8" if a8 else "float32",
+                                   **kw)
     m = models[fmt]
     rng = np.random.default_rng(0)
     cache = m.new_cache(S + 2)

@@ -286,9 +286,14 @@ def linear_int8_a8(w, x, out, vnni):
     """w = (q [O, I] int8, scale [O] or [O, I/32]); x [M, I] is rounded to int8 blocks here -> out [M, O], each
     dot product in integers (the VNNI intrinsics if vnni, else their reference bodies)."""
     xq, xabs, xs = quantize_rows(x)
-    for o in prange(w[0].shape[0]):
-        for m in range(xq.shape[0]):
-            out[m, o] = _int8_row_dot(w, o, xq[m], xabs[m], xs[m], vnni)
+    if vnni:                                   # two loops with a constant each, so that neither carries a branch
+        for o in prange(w[0].shape[0]):
+            for m in range(xq.shape[0]):
+                out[m, o] = _int8_row_dot(w, o, xq[m], xabs[m], xs[m], True)
+    else:
+        for o in prange(w[0].shape[0]):
+            for m in range(xq.shape[0]):
+                out[m, o] = _int8_row_dot(w, o, xq[m], xabs[m], xs[m], False)
 
 
 @njit(**SERIAL)
@@ -316,27 +321,37 @@ def _pair_layout(xq, xs):
     return xpair, xs8, xsum8
 
 
+@njit(fastmath=True, cache=True, inline="always")
+def _q4_row_dot(packed, d, mins, xq, xs, xpair, xs8, xsum8, o, m, vnni):
+    """Row o of a 4-bit weight times rounded input row m: its pairs of blocks through dot_q4 (or its reference
+    body), an odd last block here."""
+    if vnni:
+        acc = dot_q4(packed, o, d, mins, xpair[m], xs8[m], xsum8[m])
+    else:
+        acc = dot_q4_reference(packed, o, d, mins, xpair[m], xs8[m], xsum8[m])
+    nb = xs.shape[1]
+    if nb % 2:
+        last, isum, xsum = nb - 1, 0, 0
+        for j in range(16):
+            byte = np.int32(packed[o, 16 * last + j])
+            lo, hi = np.int32(xq[m, BLOCK * last + j]), np.int32(xq[m, BLOCK * last + 16 + j])
+            isum += (byte & 15) * lo + (byte >> 4) * hi
+            xsum += lo + hi
+        acc += xs[m, last] * (d[o, last] * np.float32(isum) + mins[o, last] * np.float32(xsum))
+    return acc
+
+
 @njit(**PARALLEL)
 def linear_q4_a8(w, x, out, vnni):
-    """w = (packed [O, I/2], d, mins [O, I/32]); x [M, I] is rounded to int8 blocks here -> out [M, O], the blocks
-    in pairs through dot_q4 (or its reference body), an odd last block here."""
+    """w = (packed [O, I/2], d, mins [O, I/32]); x [M, I] is rounded to int8 blocks here -> out [M, O]."""
     packed, d, mins = w
     xq, _, xs = quantize_rows(x)
     xpair, xs8, xsum8 = _pair_layout(xq, xs)
-    M, nb = xs.shape
-    last = nb - 1                                           # the unpaired block when nb is odd
-    for o in prange(packed.shape[0]):
-        for m in range(M):
-            if vnni:
-                acc = dot_q4(packed, o, d, mins, xpair[m], xs8[m], xsum8[m])
-            else:
-                acc = dot_q4_reference(packed, o, d, mins, xpair[m], xs8[m], xsum8[m])
-            if nb % 2:
-                isum, xsum = 0, 0
-                for j in range(16):
-                    byte = np.int32(packed[o, 16 * last + j])
-                    lo, hi = np.int32(xq[m, BLOCK * last + j]), np.int32(xq[m, BLOCK * last + 16 + j])
-                    isum += (byte & 15) * lo + (byte >> 4) * hi
-                    xsum += lo + hi
-                acc += xs[m, last] * (d[o, last] * np.float32(isum) + mins[o, last] * np.float32(xsum))
-            out[m, o] = acc
+    if vnni:                                   # two loops with a constant each, so that neither carries a branch
+        for o in prange(packed.shape[0]):
+            for m in range(xq.shape[0]):
+                out[m, o] = _q4_row_dot(packed, d, mins, xq, xs, xpair, xs8, xsum8, o, m, True)
+    else:
+        for o in prange(packed.shape[0]):
+            for m in range(xq.shape[0]):
+                out[m, o] = _q4_row_dot(packed, d, mins, xq, xs, xpair, xs8, xsum8, o, m, False)
