@@ -172,13 +172,13 @@ def test_toy_vocab_from_gguf_metadata():
     ({"tokenizer.ggml.pre": "klingon"}, "pre-tokenizer tinyllm does not know"),
     ({"tokenizer.ggml.merges": ["x y z"]}, "expected two tokens"),
     ({"tokenizer.ggml.merges": ["a Ω"]}, "not in the vocab"),
-    ({"tokenizer.ggml.tokens": ["<|end|>", "\x00"]}, "not in GPT-2's byte-level alphabet"),
+    ({"tokenizer.ggml.tokens": ["<|end|>", "\u2581", "t", "\u2581t"]}, "'\u2581', which is not in GPT-2's byte"),
 ])
 def test_bad_gguf_metadata_raises_clear_errors(override, message):
     meta = toy_byte_level_metadata(**override)
-    if "tokenizer.ggml.tokens" in override:
-        meta["tokenizer.ggml.token_type"] = [3, 1]
-        meta["tokenizer.ggml.merges"] = []
+    if "tokenizer.ggml.tokens" in override:   # a SentencePiece-style vocab: its merges join non-byte-level text
+        meta["tokenizer.ggml.token_type"] = [3, 1, 1, 1]
+        meta["tokenizer.ggml.merges"] = ["\u2581 t"]
     with pytest.raises(ValueError, match=message):
         Tokenizer.from_gguf_metadata(meta)
 

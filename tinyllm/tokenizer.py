@@ -49,13 +49,55 @@ LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N
 # Qwen2: Llama 3's pattern with every digit alone.
 QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
 
-# GGUF `tokenizer.ggml.pre` -> (pattern, ignore_merges). The names and groupings follow llama.cpp (llama-vocab.cpp).
+# Qwen3.5: Qwen2's pattern with combining marks (\p{M}) kept inside letter runs instead of standing alone, so
+# "é" written as e + U+0301 stays one word.
+QWEN35_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"""
+                  r"""| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+# --- pre-tokenizers made of several regexes ---------------------------------------------------------------
+# Some models split in stages (HF tokenizers' Sequence of Split(behavior="Isolated") steps): the first regex
+# cuts the text into its matches and the gaps between them, and every next regex cuts each of those pieces
+# again. A later regex never sees across a cut made by an earlier one. See `split_in_stages`.
+
+# Falcon: runs of punctuation first (HF Punctuation: Unicode \p{P} plus the ASCII symbols $+<=>^`|~), then the
+# GPT-2 regex, then runs of ASCII digits, then every run of three digits alone ("3333" -> "333", "3").
+FALCON_STAGES = (r"""[\p{P}$+<=>^`|~]+""", GPT2_PATTERN, r"""[0-9]+""", r"""[0-9]{3}""")
+
+# DeepSeek Coder: each newline alone, letter runs and punctuation runs (each with one optional leading
+# whitespace), runs of CJK ideographs / Hangul, then every number character alone.
+CJK_HANGUL_RUN = r"""[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"""   # as written in the models' tokenizer.json
+DEEPSEEK_CODER_STAGES = (r"""[\r\n]""", r"""\s?\p{L}+""", r"""\s?\p{P}+""", CJK_HANGUL_RUN, r"""\p{N}""")
+
+# DeepSeek LLM: as DeepSeek Coder, but "letters" are an explicit list of cased-alphabet ranges (Latin, Greek,
+# Cyrillic, Armenian, Georgian, Cherokee, Glagolitic, Coptic, ... copied as code points from the model's
+# tokenizer.json: written out as characters, several would change under Unicode normalization), "punctuation"
+# is ASCII and full-width punctuation, trailing whitespace is cut off, and numbers are split off in runs.
+DEEPSEEK_LLM_LETTERS = (
+    r"A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af\u0370-\u0373"
+    r"\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5\u03f7-\u0481"
+    r"\u048a-\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd\u1c90-\u1cba\u1cbd-\u1cbf\u1d00-\u1d2b"
+    r"\u1d6b-\u1d77\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b"
+    r"\u1f5d\u1f5f-\u1f7d\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb"
+    r"\u1fe0-\u1fec\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102\u2107\u210a-\u2113\u2115\u2119-\u211d\u2124\u2126\u2128"
+    r"\u212a-\u212d\u212f-\u2134\u2139\u213c-\u213f\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4"
+    r"\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf"
+    r"\ufb00-\ufb06\ufb13-\ufb17\uff21-\uff3a\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3"
+    r"\U000104d8-\U000104fb\U00010c80-\U00010cb2\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-\U0001e943")
+DEEPSEEK_LLM_STAGES = (r"""[\r\n]""", rf"""\s?[{DEEPSEEK_LLM_LETTERS}]+""",
+                       r"""\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+""", r"""\s+\Z""",
+                       CJK_HANGUL_RUN, r"""\p{N}+""")
+
+# GGUF `tokenizer.ggml.pre` -> (pre-tokenizer, ignore_merges): one regex, or a tuple of regexes applied in
+# stages. The names and groupings follow llama.cpp (llama-vocab.cpp).
 # ignore_merges: a word that is itself in the vocab is taken whole, without running the merges (Llama 3 does).
-GGUF_PRETOKENIZERS: dict[str, tuple[str, bool]] = {
-    "gpt2": (GPT2_PATTERN, False), "gpt-2": (GPT2_PATTERN, False),
+GGUF_PRETOKENIZERS: dict[str, tuple[str | tuple[str, ...], bool]] = {
+    "gpt2": (GPT2_PATTERN, False), "gpt-2": (GPT2_PATTERN, False), "mpt": (GPT2_PATTERN, False),
     "smollm": (SMOLLM_PATTERN, False), "starcoder": (SMOLLM_PATTERN, False), "refact": (SMOLLM_PATTERN, False),
+    "command-r": (SMOLLM_PATTERN, False),
     "llama-bpe": (LLAMA3_PATTERN, True), "llama3": (LLAMA3_PATTERN, True),
-    "qwen2": (QWEN2_PATTERN, False),
+    "qwen2": (QWEN2_PATTERN, False), "qwen35": (QWEN35_PATTERN, False),
+    "falcon": (FALCON_STAGES, False),
+    "deepseek-coder": (DEEPSEEK_CODER_STAGES, False), "deepseek-llm": (DEEPSEEK_LLM_STAGES, False),
 }
 
 # GGUF token types (llama.cpp's llama_token_type). Control and user-defined tokens are matched in text as a whole.
@@ -142,16 +184,21 @@ class Tokenizer:
     takes the vocab as raw bytes, the file formats' GPT-2 byte-to-character encoding already undone:
       token_bytes:  token_bytes[id] is the bytes of token `id` (for added tokens: the UTF-8 of their text).
       merges:       (left_id, right_id, merged_id) in rank order: merges[0] is applied first.
-      pattern:      the pre-tokenizer regex (see the *_PATTERN constants).
+      pattern:      the pre-tokenizer: one regex (see the *_PATTERN constants), or a tuple of regexes applied in
+                    stages (the *_STAGES constants, see `split_in_stages`).
       added_tokens: text -> id of tokens matched as a whole in the input text before pre-tokenization.
-      special_ids:  control tokens: decode(skip_special=True) drops them.
+      special_ids:  control tokens: decode(skip_special=True) drops them, and encode(allow_special=False) reads
+                    their text as plain text. Added tokens that are not control tokens (user-defined: MPT's runs
+                    of spaces) are always matched, as in llama.cpp and HF tokenizers.
       ignore_merges: a word that is itself a token is taken whole (Llama 3); otherwise merges decide.
+      unreachable_ids: tokens that encode never produces (text that is not byte-level); decode still gives them.
     """
 
-    def __init__(self, token_bytes: Sequence[bytes], merges: Iterable[tuple[int, int, int]], pattern: str, *,
+    def __init__(self, token_bytes: Sequence[bytes], merges: Iterable[tuple[int, int, int]],
+                 pattern: str | tuple[str, ...], *,
                  added_tokens: Mapping[str, int] | None = None, special_ids: Iterable[int] = (),
                  bos_id: int | None = None, eos_id: int | None = None, chat_template: str | None = None,
-                 ignore_merges: bool = False):
+                 ignore_merges: bool = False, unreachable_ids: Iterable[int] = ()):
         self._token_bytes = [bytes(b) for b in token_bytes]   # id -> bytes
         self._added = dict(added_tokens or {})                 # text -> id, matched whole in the input
         special_ids = frozenset(special_ids)
@@ -164,13 +211,17 @@ class Tokenizer:
         self.chat_template = chat_template
         self.ignore_merges = ignore_merges
         self.pattern = pattern
-        self._words = regex.compile(pattern)
+        if isinstance(pattern, str):
+            self._words = regex.compile(pattern)
+        else:   # stages: each regex in a capture group, so that split() keeps its matches as pieces
+            self._stages = [regex.compile(f"({stage})") for stage in pattern]
+            self._words = None
 
         # bytes -> id of ordinary tokens (used for the single-byte tokens and by ignore_merges).
-        added_ids = set(self._added.values())
+        not_ordinary = set(self._added.values()).union(unreachable_ids)
         self._bytes_to_id: dict[bytes, int] = {}
         for token_id, data in enumerate(self._token_bytes):
-            if token_id not in added_ids:
+            if token_id not in not_ordinary:
                 self._bytes_to_id.setdefault(data, token_id)
         self._byte_ids = [self._bytes_to_id.get(bytes([b])) for b in range(256)]   # byte -> id, or None
 
@@ -182,9 +233,9 @@ class Tokenizer:
             self._ranks.setdefault((left, right), rank)
             self._merged.setdefault((left, right), new)
 
-        # One regex for all added tokens, longest first, so "<|im_start|>" wins over any shorter prefix of it.
-        longest_first = sorted(self._added, key=len, reverse=True)
-        self._added_re = regex.compile("(" + "|".join(map(regex.escape, longest_first)) + ")") if self._added else None
+        # One regex for all added tokens, one for the user-defined ones alone (allow_special=False).
+        self._added_re = _alternation(self._added)
+        self._user_defined_re = _alternation(t for t, i in self._added.items() if i not in special_ids)
         self._cache: dict[str, tuple[int, ...]] = {}    # word -> its ids
 
     # --- constructors from files ---------------------------------------------------------------------------
@@ -199,7 +250,7 @@ class Tokenizer:
         model = get("tokenizer.ggml.model")
         if model != "gpt2":
             raise ValueError(f"tokenizer.ggml.model is {model!r}: tinyllm implements only byte-level BPE ('gpt2'), "
-                             f"not SentencePiece ('llama') or others")
+                             f"not SentencePiece ('llama'), WordPiece ('bert') or others")
         pre = get("tokenizer.ggml.pre")
         if pre not in GGUF_PRETOKENIZERS:
             raise ValueError(f"tokenizer.ggml.pre is {pre!r}, a pre-tokenizer tinyllm does not know; known: "
@@ -211,18 +262,26 @@ class Tokenizer:
             raise ValueError(f"GGUF metadata has {len(tokens)} tokens but {len(types)} token types")
 
         char_to_byte = _byte_level_decoder()
-        token_bytes, added, special = [], {}, []
+        token_bytes, added, special, plain_text = [], {}, [], set()
         for token_id, (token, token_type) in enumerate(zip(tokens, types)):
             if token_type in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED):
                 token_bytes.append(token.encode("utf-8"))   # stored as plain text, not byte-level
                 added[token] = token_id
                 if token_type == TOKEN_TYPE_CONTROL:
                     special.append(token_id)
-            else:
+            elif char_to_byte.keys() >= set(token):
                 token_bytes.append(_byte_level_to_bytes(token, char_to_byte))
+            else:
+                # Not byte-level text (Command R has 1,403 such emoji and symbols): BPE over bytes can never build
+                # it, so it is unreachable by encode; decode gives its text, as HF's ByteLevel decoder does.
+                token_bytes.append(token.encode("utf-8"))
+                plain_text.add(token_id)
         vocab = {token: token_id for token_id, token in enumerate(tokens)}
         merges = _merge_ids((m.split(" ") for m in get("tokenizer.ggml.merges")), vocab)
-        return cls(token_bytes, merges, pattern, added_tokens=added, special_ids=special,
+        merged_plain_text = plain_text.intersection(chain.from_iterable(merges))
+        if merged_plain_text:   # byte-level merges only ever join byte-level tokens: this is another scheme
+            _byte_level_to_bytes(tokens[min(merged_plain_text)], char_to_byte)   # raises, naming the character
+        return cls(token_bytes, merges, pattern, added_tokens=added, special_ids=special, unreachable_ids=plain_text,
                    bos_id=metadata.get("tokenizer.ggml.bos_token_id"),
                    eos_id=metadata.get("tokenizer.ggml.eos_token_id"),
                    chat_template=metadata.get("tokenizer.chat_template"), ignore_merges=ignore_merges)
@@ -319,14 +378,16 @@ class Tokenizer:
         """Text -> token ids. No BOS is added.
 
         allow_special=True: text of an added/special token ("<|im_end|>") becomes that token's id.
-        allow_special=False: it is encoded as plain text (use this for untrusted user input).
+        allow_special=False: control-token text is encoded as plain text (use this for untrusted user input);
+        user-defined added tokens are still matched, as llama.cpp (parse_special=false) and HF do.
         """
         _check_text(text)
-        if not (allow_special and self._added_re):
+        added_re = self._added_re if allow_special else self._user_defined_re
+        if added_re is None:
             return self._encode_ordinary(text)
         ids: list[int] = []
-        # split() with a capture group alternates: ordinary text, special token, ordinary text, ...
-        for i, part in enumerate(self._added_re.split(text)):
+        # split() with a capture group alternates: ordinary text, added token, ordinary text, ...
+        for i, part in enumerate(added_re.split(text)):
             if i % 2:
                 ids.append(self._added[part])
             elif part:
@@ -336,7 +397,7 @@ class Tokenizer:
     def _encode_ordinary(self, text: str) -> list[int]:
         """Pre-tokenize with the regex, BPE each word not seen before, then look every word up in the cache."""
         cache = self._cache
-        words = self._words.findall(text)
+        words = self._words.findall(text) if self._words else split_in_stages(text, self._stages)
         new_words = set(words).difference(cache)
         if len(cache) + len(new_words) > WORD_CACHE_LIMIT:
             cache.clear()
@@ -440,6 +501,25 @@ def _unfinished_utf8_tail(data: bytes) -> int:
 
 
 # --- helpers -----------------------------------------------------------------------------------------------
+def split_in_stages(text: str, stages: Sequence[regex.Pattern]) -> list[str]:
+    r"""Pre-tokenize with regexes in stages: each stage cuts every piece into its matches and the gaps between.
+
+    Each compiled stage must have one capture group around the whole regex, so that `split` keeps the matches.
+    Example, DeepSeek Coder's stages on "ab12\ncd": "[\r\n]" -> "ab12", "\n", "cd"; "\s?\p{L}+" -> "ab", "12",
+    "\n", "cd"; ...; "\p{N}" -> "ab", "1", "2", "\n", "cd". No text is lost: the pieces concatenate to `text`.
+    """
+    pieces = [text]
+    for stage in stages:
+        pieces = [part for piece in pieces for part in stage.split(piece) if part]
+    return pieces
+
+
+def _alternation(texts: Iterable[str]) -> regex.Pattern | None:
+    """One regex matching any of `texts`, longest first (so "<|im_start|>" wins over a shorter prefix); None if empty."""
+    longest_first = sorted(texts, key=len, reverse=True)
+    return regex.compile("(" + "|".join(map(regex.escape, longest_first)) + ")") if longest_first else None
+
+
 def _check_text(text: Any) -> None:
     """ValueError with a one-line fix for input that is not (valid) text, instead of an error from deep inside."""
     if isinstance(text, (bytes, bytearray, memoryview)):
