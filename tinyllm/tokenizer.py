@@ -60,11 +60,11 @@ QWEN35_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}
 # again. A later regex never sees across a cut made by an earlier one. See `split_in_stages`.
 
 # Falcon: runs of punctuation first (HF Punctuation: Unicode \p{P} plus the ASCII symbols $+<=>^`|~), then the
-# GPT-2 regex, then runs of ASCII digits, then every run of three digits alone ("3333" -> "333", "3").
-FALCON_STAGES = (r"""[\p{P}$+<=>^`|~]+""", GPT2_PATTERN, r"""[0-9]+""", r"""[0-9]{3}""")
+# GPT-2 regex, then every run of three ASCII digits alone ("3333" -> "333", "3"). HF also splits number runs
+# off between those two steps; that changes nothing, because no Falcon merge joins a number character to any
+# other character (tests/test_tokenizer_suite.py checks it), so it is left out, as llama.cpp does.
+FALCON_STAGES = (r"""[\p{P}$+<=>^`|~]+""", GPT2_PATTERN, r"""[0-9]{3}""")
 
-# DeepSeek Coder: each newline alone, letter runs and punctuation runs (each with one optional leading
-# whitespace), runs of CJK ideographs / Hangul, then every number character alone.
 CJK_HANGUL_RUN = r"""[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"""   # as written in the models' tokenizer.json
 DEEPSEEK_CODER_STAGES = (r"""[\r\n]""", r"""\s?\p{L}+""", r"""\s?\p{P}+""", CJK_HANGUL_RUN, r"""\p{N}""")
 
