@@ -43,10 +43,10 @@ def suite_dir() -> Path:
     return (Path(cache) if cache else Path.home() / ".cache" / "tinyllm") / "tokenizer-suite"
 
 
-def read_manifest(path: Path = MANIFEST) -> dict[str, str]:
-    """file name -> sha256, from `sha256sum`-style lines ("<hex>  <name>")."""
+def read_manifest() -> dict[str, str]:
+    """file name -> sha256, from MANIFEST's `sha256sum`-style lines ("<hex>  <name>")."""
     out = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in MANIFEST.read_text(encoding="utf-8").splitlines():
         if line.strip():
             digest, name = line.split(maxsplit=1)
             out[name.strip()] = digest
