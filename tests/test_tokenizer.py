@@ -15,10 +15,12 @@ from hypothesis import strategies as st
 
 from tinyllm import tokenizer as tokmod
 from tinyllm.gguf import GGUFFile
-from tinyllm.tokenizer import (GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN, SMOLLM_PATTERN, StreamDecoder, Tokenizer,
-                               bpe, byte_level_alphabet, merge_pair)
+from tinyllm.tokenizer import (DEEPSEEK_CODER_STAGES, DEEPSEEK_LLM_STAGES, FALCON_STAGES, GPT2_PATTERN,
+                               LLAMA3_PATTERN, QWEN2_PATTERN, QWEN35_PATTERN, SMOLLM_PATTERN, StreamDecoder, Tokenizer,
+                               bpe, byte_level_alphabet, merge_pair, split_in_stages)
 
-ALL_PATTERNS = [GPT2_PATTERN, SMOLLM_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN]
+ALL_PATTERNS = [GPT2_PATTERN, SMOLLM_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN, QWEN35_PATTERN]
+ALL_STAGES = [FALCON_STAGES, DEEPSEEK_CODER_STAGES, DEEPSEEK_LLM_STAGES]
 
 # Text that exercises every part of the pre-tokenizer and the merges. (name, text) for readable test ids.
 CORPUS = [
@@ -148,6 +150,26 @@ def test_patterns_lose_no_text(text):
         assert "".join(regex.findall(pattern, text)) == text
 
 
+def compiled_stages(stages):
+    return [regex.compile(f"({stage})") for stage in stages]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text())
+def test_stages_lose_no_text(text):
+    for stages in ALL_STAGES:
+        pieces = split_in_stages(text, compiled_stages(stages))
+        assert "".join(pieces) == text and all(pieces)
+
+
+def test_split_in_stages_examples():
+    assert split_in_stages("ab12\ncd", compiled_stages(DEEPSEEK_CODER_STAGES)) == ["ab", "1", "2", "\n", "cd"]
+    # a later stage cuts inside an earlier stage's match: "3333" is one GPT-2 word, then "333" + "3"
+    assert split_in_stages("x 3333, y!!", compiled_stages(FALCON_STAGES)) == ["x", " ", "333", "3", ",", " y", "!!"]
+    # DeepSeek LLM cuts trailing whitespace off the end of each piece
+    assert split_in_stages("a  \nb ", compiled_stages(DEEPSEEK_LLM_STAGES)) == ["a", "  ", "\n", "b", " "]
+
+
 def test_smollm_pretokenizer_examples():
     assert regex.findall(SMOLLM_PATTERN, "a  2") == ["a", "  ", "2"]
     assert regex.findall(SMOLLM_PATTERN, "Hi  42!") == ["Hi", "  ", "4", "2", "!"]
@@ -181,6 +203,28 @@ def test_bad_gguf_metadata_raises_clear_errors(override, message):
         meta["tokenizer.ggml.merges"] = ["\u2581 t"]
     with pytest.raises(ValueError, match=message):
         Tokenizer.from_gguf_metadata(meta)
+
+
+def test_user_defined_tokens_are_matched_even_without_special_tokens():
+    """llama.cpp (parse_special=false) and HF (encode_special_tokens) still match non-control added tokens."""
+    meta = toy_byte_level_metadata()
+    meta["tokenizer.ggml.tokens"] = [*meta["tokenizer.ggml.tokens"], "  "]   # MPT-style: a run of spaces
+    meta["tokenizer.ggml.token_type"] = [*meta["tokenizer.ggml.token_type"], 4]
+    toy = Tokenizer.from_gguf_metadata(meta)
+    spaces = 259
+    for allow_special in (True, False):
+        assert toy.encode("ab  abc<|end|>", allow_special=allow_special)[:3] == [257, spaces, 258]
+    assert toy.encode("<|end|>", allow_special=True) == [0]
+    assert 0 not in toy.encode("<|end|>", allow_special=False)
+
+
+def test_plain_text_tokens_decode_but_are_never_encoded():
+    """A token outside the byte-level alphabet that no merge uses (Command R's emoji) only decodes."""
+    meta = toy_byte_level_metadata()
+    meta["tokenizer.ggml.tokens"] = [*meta["tokenizer.ggml.tokens"], "\u2122"]   # "™"
+    meta["tokenizer.ggml.token_type"] = [*meta["tokenizer.ggml.token_type"], 1]
+    toy = Tokenizer.from_gguf_metadata(meta)
+    assert toy.decode([259]) == "\u2122" and toy.encode("\u2122") == [1 + b for b in "\u2122".encode()]
 
 
 def test_missing_gguf_key_raises():
