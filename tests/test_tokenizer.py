@@ -15,12 +15,17 @@ from hypothesis import strategies as st
 
 from tinyllm import tokenizer as tokmod
 from tinyllm.gguf import GGUFFile
-from tinyllm.tokenizer import (DEEPSEEK_CODER_STAGES, DEEPSEEK_LLM_STAGES, FALCON_STAGES, GPT2_PATTERN,
-                               LLAMA3_PATTERN, QWEN2_PATTERN, QWEN35_PATTERN, SMOLLM_PATTERN, StreamDecoder, Tokenizer,
+from tinyllm.tokenizer import (DEEPSEEK_CODER_FUSED, DEEPSEEK_CODER_STAGES, DEEPSEEK_LLM_FUSED, DEEPSEEK_LLM_STAGES,
+                               FALCON_FUSED, FALCON_STAGES, GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN, QWEN35_PATTERN, SMOLLM_PATTERN, StreamDecoder, Tokenizer,
                                bpe, byte_level_alphabet, merge_pair, split_in_stages)
 
 ALL_PATTERNS = [GPT2_PATTERN, SMOLLM_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN, QWEN35_PATTERN]
 ALL_STAGES = [FALCON_STAGES, DEEPSEEK_CODER_STAGES, DEEPSEEK_LLM_STAGES]
+PUBLISHED_AND_FUSED = [(FALCON_STAGES, FALCON_FUSED), (DEEPSEEK_CODER_STAGES, DEEPSEEK_CODER_FUSED),
+                       (DEEPSEEK_LLM_STAGES, DEEPSEEK_LLM_FUSED)]
+# Dense in the characters where the stages differ: whitespace kinds, letters inside and outside DeepSeek LLM's
+# list, combining marks, punctuation (ASCII, full-width, Unicode), symbols, digits of several scripts, CJK.
+TRICKY = " \t\n\r\u3000\u2028\u00a0aZé\u0301'sl.,!?$+<=>^`|~\u20ac\u00a9😀-_()\uff01\u201c\u00b7\u30fb09\u0660\u0966\u00b2\u00bd日한\u0915\u093e\u0800\u0531"
 
 # Text that exercises every part of the pre-tokenizer and the merges. (name, text) for readable test ids.
 CORPUS = [
@@ -160,6 +165,19 @@ def test_stages_lose_no_text(text):
     for stages in ALL_STAGES:
         pieces = split_in_stages(text, compiled_stages(stages))
         assert "".join(pieces) == text and all(pieces)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text() | st.text(alphabet=st.sampled_from(TRICKY), max_size=40))
+def test_fused_stages_equal_the_published_ones(text):
+    for published, fused in PUBLISHED_AND_FUSED:
+        assert split_in_stages(text, compiled_stages(fused)) == split_in_stages(text, compiled_stages(published))
+
+
+@pytest.mark.parametrize("name,text", CORPUS)
+def test_fused_stages_on_corpus(name, text):
+    for published, fused in PUBLISHED_AND_FUSED:
+        assert split_in_stages(text, compiled_stages(fused)) == split_in_stages(text, compiled_stages(published))
 
 
 def test_split_in_stages_examples():

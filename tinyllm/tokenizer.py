@@ -58,15 +58,26 @@ QWEN35_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}
 # Some models split in stages (HF tokenizers' Sequence of Split(behavior="Isolated") steps): the first regex
 # cuts the text into its matches and the gaps between them, and every next regex cuts each of those pieces
 # again. A later regex never sees across a cut made by an earlier one. See `split_in_stages`.
+# The *_STAGES constants are the stages as the models publish them; the *_FUSED ones, which tinyllm runs, give
+# the same words (tests/test_tokenizer.py checks it) with a first stage that cuts word-sized pieces: the
+# tokenizer caches the result per first-stage piece, and pieces the size of words repeat.
 
 # Falcon: runs of punctuation first (HF Punctuation: Unicode \p{P} plus the ASCII symbols $+<=>^`|~), then the
 # GPT-2 regex, then every run of three ASCII digits alone ("3333" -> "333", "3"). HF also splits number runs
 # off between those two steps; that changes nothing, because no Falcon merge joins a number character to any
 # other character (tests/test_tokenizer_suite.py checks it), so it is left out, as llama.cpp does.
-FALCON_STAGES = (r"""[\p{P}$+<=>^`|~]+""", GPT2_PATTERN, r"""[0-9]{3}""")
+FALCON_PUNCTUATION = r"""\p{P}$+<=>^`|~"""
+FALCON_STAGES = (rf"""[{FALCON_PUNCTUATION}]+""", GPT2_PATTERN, r"""[0-9]{3}""")
+# Fused: GPT-2's regex with punctuation runs as one more alternative; its symbol runs exclude punctuation, and a
+# whitespace run just before punctuation stays whole (in the staged form it ends a piece), as in SMOLLM_PATTERN.
+FALCON_FUSED = (rf"""[{FALCON_PUNCTUATION}]+| ?\p{{L}}+| ?\p{{N}}+| ?[^\s\p{{L}}\p{{N}}{FALCON_PUNCTUATION}]+"""
+                rf"""|\s+(?=[{FALCON_PUNCTUATION}])|\s+(?!\S)|\s+""", r"""[0-9]{3}""")
 
 CJK_HANGUL_RUN = r"""[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"""   # as written in the models' tokenizer.json
 DEEPSEEK_CODER_STAGES = (r"""[\r\n]""", r"""\s?\p{L}+""", r"""\s?\p{P}+""", CJK_HANGUL_RUN, r"""\p{N}""")
+# Fused: the newline and letter stages in one regex; its optional leading whitespace may not be a newline, since
+# the newline stage has cut those off already.
+DEEPSEEK_CODER_FUSED = (r"""[\r\n]|[^\S\r\n]?\p{L}+""", *DEEPSEEK_CODER_STAGES[2:])
 
 # DeepSeek LLM: as DeepSeek Coder, but "letters" are an explicit list of cased-alphabet ranges (Latin, Greek,
 # Cyrillic, Armenian, Georgian, Cherokee, Glagolitic, Coptic, ... copied as code points from the model's
@@ -86,6 +97,7 @@ DEEPSEEK_LLM_LETTERS = (
 DEEPSEEK_LLM_STAGES = (r"""[\r\n]""", rf"""\s?[{DEEPSEEK_LLM_LETTERS}]+""",
                        r"""\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+""", r"""\s+\Z""",
                        CJK_HANGUL_RUN, r"""\p{N}+""")
+DEEPSEEK_LLM_FUSED = (rf"""[\r\n]|[^\S\r\n]?[{DEEPSEEK_LLM_LETTERS}]+""", *DEEPSEEK_LLM_STAGES[2:])   # as Coder's
 
 # GGUF `tokenizer.ggml.pre` -> (pre-tokenizer, ignore_merges): one regex, or a tuple of regexes applied in
 # stages. The names and groupings follow llama.cpp (llama-vocab.cpp).
@@ -96,8 +108,8 @@ GGUF_PRETOKENIZERS: dict[str, tuple[str | tuple[str, ...], bool]] = {
     "command-r": (SMOLLM_PATTERN, False),
     "llama-bpe": (LLAMA3_PATTERN, True), "llama3": (LLAMA3_PATTERN, True),
     "qwen2": (QWEN2_PATTERN, False), "qwen35": (QWEN35_PATTERN, False),
-    "falcon": (FALCON_STAGES, False),
-    "deepseek-coder": (DEEPSEEK_CODER_STAGES, False), "deepseek-llm": (DEEPSEEK_LLM_STAGES, False),
+    "falcon": (FALCON_FUSED, False),
+    "deepseek-coder": (DEEPSEEK_CODER_FUSED, False), "deepseek-llm": (DEEPSEEK_LLM_FUSED, False),
 }
 
 # GGUF token types (llama.cpp's llama_token_type). Control and user-defined tokens are matched in text as a whole.
@@ -214,8 +226,8 @@ class Tokenizer:
         if isinstance(pattern, str):
             self._words = regex.compile(pattern)
         else:   # stages: each regex in a capture group, so that split() keeps its matches as pieces
-            self._stages = [regex.compile(f"({stage})") for stage in pattern]
             self._words = None
+            self._first_stage, *self._later_stages = [regex.compile(f"({stage})") for stage in pattern]
 
         # bytes -> id of ordinary tokens (used for the single-byte tokens and by ignore_merges).
         not_ordinary = set(self._added.values()).union(unreachable_ids)
@@ -397,14 +409,19 @@ class Tokenizer:
     def _encode_ordinary(self, text: str) -> list[int]:
         """Pre-tokenize with the regex, BPE each word not seen before, then look every word up in the cache."""
         cache = self._cache
-        words = self._words.findall(text) if self._words else split_in_stages(text, self._stages)
+        # With stages, the "words" cached here are the first stage's pieces; _encode_piece runs the later stages.
+        words = self._words.findall(text) if self._words else list(filter(None, self._first_stage.split(text)))
         new_words = set(words).difference(cache)
         if len(cache) + len(new_words) > WORD_CACHE_LIMIT:
             cache.clear()
             new_words = set(words)
         for word in new_words:
-            cache[word] = self._encode_word(word)
+            cache[word] = self._encode_word(word) if self._words else self._encode_piece(word)
         return list(chain.from_iterable(map(cache.__getitem__, words)))   # the hot loop, run in C
+
+    def _encode_piece(self, piece: str) -> tuple[int, ...]:
+        """One piece of a staged pre-tokenizer's first stage -> ids: the later stages cut it into words."""
+        return tuple(chain.from_iterable(map(self._encode_word, split_in_stages(piece, self._later_stages))))
 
     def _encode_word(self, word: str) -> tuple[int, ...]:
         """One pre-tokenized word -> ids: its bytes as single-byte tokens, then BPE merges."""
@@ -515,9 +532,27 @@ def split_in_stages(text: str, stages: Sequence[regex.Pattern]) -> list[str]:
 
 
 def _alternation(texts: Iterable[str]) -> regex.Pattern | None:
-    """One regex matching any of `texts`, longest first (so "<|im_start|>" wins over a shorter prefix); None if empty."""
-    longest_first = sorted(texts, key=len, reverse=True)
-    return regex.compile("(" + "|".join(map(regex.escape, longest_first)) + ")") if longest_first else None
+    """One regex matching any of `texts`, the longest where several match (so "<|im_start|>" wins over a prefix of
+    it); None if `texts` is empty.
+
+    Written as a trie ("ab", "abc", "ad" -> "a(?:b(?:c)?|d)"): a plain alternation of MPT's 178 runs of spaces
+    tries every one at every space of the text (8x slower); the trie reads each character once.
+    """
+    trie: dict[str, dict] = {}
+    for text in texts:
+        node = trie
+        for char in text:
+            node = node.setdefault(char, {})
+        node[""] = {}   # a token ends here
+
+    def pattern(node: dict[str, dict]) -> str:
+        branches = [regex.escape(char) + pattern(child) for char, child in node.items() if char]
+        if not branches:
+            return ""
+        body = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
+        return f"(?:{body})?" if "" in node else body   # greedy: the longer token first, then the one ending here
+
+    return regex.compile(f"({pattern(trie)})") if trie else None
 
 
 def _check_text(text: Any) -> None:
