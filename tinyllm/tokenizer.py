@@ -2,9 +2,9 @@
 
 Encoding runs four steps, each visible below:
   1. special tokens: text such as "<|im_start|>" is cut out first and becomes its one id (allow_special=False
-     turns this off, so user text can never forge a control token);
+     turns this off for control tokens, so user text can never forge one);
   2. pre-tokenization: a regex, chosen per model, splits the rest into words (SmolLM2: "Hi  42!" -> "Hi", "  ",
-     "4", "2", "!"); BPE never merges across two words;
+     "4", "2", "!"), or several regexes in stages (Falcon, DeepSeek); BPE never merges across two words;
   3. bytes: each word becomes its UTF-8 bytes, and each byte its single-byte token;
   4. BPE merges: repeatedly merge the adjacent pair whose merge was learned first (lowest rank), until no
      adjacent pair has a merge. The result for each word is cached, as text repeats words a lot.
@@ -16,7 +16,11 @@ never contains). Like HF tokenizers and llama.cpp, tinyllm drops such bytes sile
 the reference; `Tokenizer.unencodable_bytes` lists them, and decode(encode(s)) == s holds exactly when s contains
 none of them.
 
-Not here: SentencePiece tokenizers (Llama 2), normalizers, byte fallback, BPE dropout; training is in bpe_train.py.
+The GGUF pre-tokenizers known (`GGUF_PRETOKENIZERS`) are those of every byte-level BPE vocab in llama.cpp's
+tokenizer suite, which tests/test_tokenizer_suite.py runs case by case.
+
+Not here: SentencePiece and WordPiece tokenizers (Llama 2, Phi-3, BERT), normalizers (HF applies NFC for some of
+these models; llama.cpp does not, nor does tinyllm), byte fallback, BPE dropout; training is in bpe_train.py.
 """
 from __future__ import annotations
 
