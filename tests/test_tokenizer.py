@@ -180,6 +180,14 @@ def test_fused_stages_on_corpus(name, text):
         assert split_in_stages(text, compiled_stages(fused)) == split_in_stages(text, compiled_stages(published))
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.text(alphabet="ab <|>", min_size=1, max_size=5), min_size=1, max_size=8),
+       st.text(alphabet="ab <|>x", max_size=30))
+def test_added_token_trie_matches_the_longest_token_first(tokens, text):
+    longest_first = regex.compile("(" + "|".join(map(regex.escape, sorted(tokens, key=len, reverse=True))) + ")")
+    assert tokmod._alternation(tokens).split(text) == longest_first.split(text)
+
+
 def test_split_in_stages_examples():
     assert split_in_stages("ab12\ncd", compiled_stages(DEEPSEEK_CODER_STAGES)) == ["ab", "1", "2", "\n", "cd"]
     # a later stage cuts inside an earlier stage's match: "3333" is one GPT-2 word, then "333" + "3"

@@ -201,7 +201,7 @@ class Tokenizer:
       token_bytes:  token_bytes[id] is the bytes of token `id` (for added tokens: the UTF-8 of their text).
       merges:       (left_id, right_id, merged_id) in rank order: merges[0] is applied first.
       pattern:      the pre-tokenizer: one regex (see the *_PATTERN constants), or a tuple of regexes applied in
-                    stages (the *_STAGES constants, see `split_in_stages`).
+                    stages (the *_FUSED constants, see `split_in_stages`).
       added_tokens: text -> id of tokens matched as a whole in the input text before pre-tokenization.
       special_ids:  control tokens: decode(skip_special=True) drops them, and encode(allow_special=False) reads
                     their text as plain text. Added tokens that are not control tokens (user-defined: MPT's runs
@@ -540,7 +540,7 @@ def _alternation(texts: Iterable[str]) -> regex.Pattern | None:
     it); None if `texts` is empty.
 
     Written as a trie ("ab", "abc", "ad" -> "a(?:b(?:c)?|d)"): a plain alternation of MPT's 178 runs of spaces
-    tries every one at every space of the text (8x slower); the trie reads each character once.
+    would try every one of them at every space of the text; the trie reads each character once.
     """
     trie: dict[str, dict] = {}
     for text in texts:
