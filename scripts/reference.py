@@ -8,7 +8,8 @@ third-party libraries, so that an error in tinyllm cannot hide by appearing on b
   the tokenizer transformers builds from a GGUF: it lacks the digit split ("a  2" -> [81, 216, 216, 34]
   instead of [81, 256, 34]); see the "Reference trap" in DESIGN.md.
 - ``suite_reference_tokenizer``: the same for the byte-level BPE vocabs of llama.cpp's tokenizer suite (Falcon,
-  DeepSeek, MPT, Command R, Qwen, ...), each with the pre-tokenizer its model's tokenizer.json describes.
+  DeepSeek, MPT, Command R, Qwen, ...), each with its model's pre-tokenizer built from HF components (they pass
+  every case of the suite: tests/test_tokenizer_suite.py).
 - ``reference_model``: transformers' Llama loaded from the same GGUF file; transformers dequantizes the
   Q4_1/Q8_0 tensors to the same fp32 weights tinyllm uses, and runs in torch fp32.
 - ``reference_logits`` / ``reference_greedy``: plain forward passes and greedy decoding with the HF KV cache.
