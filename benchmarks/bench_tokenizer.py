@@ -1,6 +1,9 @@
 """Encoding speed: tinyllm's pure-Python BPE against HF `tokenizers` (Rust), one thread, same texts, same run.
 
-    python benchmarks/bench_tokenizer.py [--mb 4] [--repeats 3] [--model PATH]
+    python benchmarks/bench_tokenizer.py [--mb 4] [--repeats 3] [--model PATH | --vocab NAME]
+
+--vocab NAME takes a vocab of llama.cpp's tokenizer suite (falcon, deepseek-llm, command-r, ...; fetch it first
+with scripts/fetch_tokenizer_suite.py) and compares with HF tokenizers built for it by scripts/reference.py.
 
 Texts (built offline, deterministic): "docs+code" is Python's own documentation (pydoc_data) followed by standard
 library sources; "multilingual" samples words from sentences in ten scripts, with emoji and random numbers.
@@ -97,17 +100,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=float, default=4.0, help="size of each text in MB (default 4)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per figure; the best is kept")
-    parser.add_argument("--model", default=None, help="GGUF file (default: the default model)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--model", default=None, help="GGUF file (default: the default model)")
+    which.add_argument("--vocab", default=None, help="a vocab of llama.cpp's tokenizer suite, e.g. falcon")
     args = parser.parse_args()
 
     import tokenizers
 
+    import fetch_tokenizer_suite
     import reference
     from tinyllm import hub
 
-    model = Path(args.model) if args.model else hub.ensure_default_model()
-    ours = Tokenizer.from_gguf_metadata(GGUFFile(model).metadata)
-    theirs = reference.reference_tokenizer(model)
+    if args.vocab:
+        model = fetch_tokenizer_suite.vocab_path(args.vocab)
+        if not model.exists():
+            raise SystemExit(f"{model} does not exist: run python scripts/fetch_tokenizer_suite.py, and pick --vocab "
+                             f"from gpt-2, llama-bpe, qwen2, qwen35, refact, starcoder, command-r, deepseek-coder, "
+                             f"deepseek-llm, falcon, mpt")
+    else:
+        model = Path(args.model) if args.model else hub.ensure_default_model()
+    try:
+        ours = Tokenizer.from_gguf_metadata(GGUFFile(model).metadata)
+    except ValueError as e:
+        raise SystemExit(f"{model.name}: {e}") from None
+    theirs = reference.suite_reference_tokenizer(model) if args.vocab else reference.reference_tokenizer(model)
     print(f"machine: {cpu_model()}, {os.cpu_count()} cores; Python {platform.python_version()}; "
           f"tokenizers {tokenizers.__version__}; RAYON_NUM_THREADS={os.environ['RAYON_NUM_THREADS']}, "
           f"TOKENIZERS_PARALLELISM={os.environ['TOKENIZERS_PARALLELISM']}")

@@ -7,6 +7,9 @@ third-party libraries, so that an error in tinyllm cannot hide by appearing on b
   pre-tokenizer SmolLM2 really uses (every digit split off alone, then GPT-2's byte-level regex). We do not use
   the tokenizer transformers builds from a GGUF: it lacks the digit split ("a  2" -> [81, 216, 216, 34]
   instead of [81, 256, 34]); see the "Reference trap" in DESIGN.md.
+- ``suite_reference_tokenizer``: the same for the byte-level BPE vocabs of llama.cpp's tokenizer suite (Falcon,
+  DeepSeek, MPT, Command R, Qwen, ...), each with its model's pre-tokenizer built from HF components (they pass
+  every case of the suite: tests/test_tokenizer_suite.py).
 - ``reference_model``: transformers' Llama loaded from the same GGUF file; transformers dequantizes the
   Q4_1/Q8_0 tensors to the same fp32 weights tinyllm uses, and runs in torch fp32.
 - ``reference_logits`` / ``reference_greedy``: plain forward passes and greedy decoding with the HF KV cache.
@@ -22,8 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-# GGUF token_type value of control tokens (llama.cpp's LLAMA_TOKEN_TYPE_CONTROL).
+# GGUF token_type values of control and user-defined tokens (llama.cpp's LLAMA_TOKEN_TYPE_*).
 _TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
 
 # SmolLM2's default system message, inserted by its ChatML template when the conversation has none.
 DEFAULT_SYSTEM_MESSAGE = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -91,6 +95,90 @@ def reference_tokenizer(gguf_path):
     # Adding tokens that already exist in the vocab must keep their ids.
     for i in control_ids:
         assert tok.token_to_id(meta["tokens"][i]) == i, meta["tokens"][i]
+    return tok
+
+
+# The pre-tokenizers of the byte-level BPE vocabularies in llama.cpp's tokenizer suite, built from HF tokenizers'
+# own components as the models' tokenizer.json files describe them (written here independently of tinyllm).
+_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN35_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_CJK_REGEX = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
+# DeepSeek LLM's letter ranges, as (first, last) code points.
+_DEEPSEEK_LETTERS = [
+    (0x41, 0x5A), (0x61, 0x7A), (0xB5, 0xB5), (0xC0, 0xD6), (0xD8, 0xF6), (0xF8, 0x1BA), (0x1BC, 0x1BF),
+    (0x1C4, 0x293), (0x295, 0x2AF), (0x370, 0x373), (0x376, 0x377), (0x37B, 0x37D), (0x37F, 0x37F),
+    (0x386, 0x386), (0x388, 0x38A), (0x38C, 0x38C), (0x38E, 0x3A1), (0x3A3, 0x3F5), (0x3F7, 0x481),
+    (0x48A, 0x52F), (0x531, 0x556), (0x10A0, 0x10C5), (0x13A0, 0x13F5), (0x13F8, 0x13FD), (0x1C90, 0x1CBA),
+    (0x1CBD, 0x1CBF), (0x1D00, 0x1D2B), (0x1D6B, 0x1D77), (0x1D79, 0x1D9A), (0x1E00, 0x1F15), (0x1F18, 0x1F1D),
+    (0x1F20, 0x1F45), (0x1F48, 0x1F4D), (0x1F50, 0x1F57), (0x1F59, 0x1F59), (0x1F5B, 0x1F5B), (0x1F5D, 0x1F5D),
+    (0x1F5F, 0x1F7D), (0x1F80, 0x1FB4), (0x1FB6, 0x1FBC), (0x1FBE, 0x1FBE), (0x1FC2, 0x1FC4), (0x1FC6, 0x1FCC),
+    (0x1FD0, 0x1FD3), (0x1FD6, 0x1FDB), (0x1FE0, 0x1FEC), (0x1FF2, 0x1FF4), (0x1FF6, 0x1FFC), (0x2102, 0x2102),
+    (0x2107, 0x2107), (0x210A, 0x2113), (0x2115, 0x2115), (0x2119, 0x211D), (0x2124, 0x2124), (0x2126, 0x2126),
+    (0x2128, 0x2128), (0x212A, 0x212D), (0x212F, 0x2134), (0x2139, 0x2139), (0x213C, 0x213F), (0x2145, 0x2149),
+    (0x214E, 0x214E), (0x2183, 0x2184), (0x2C00, 0x2C7B), (0x2C7E, 0x2CE4), (0x2CEB, 0x2CEE), (0x2CF2, 0x2CF3),
+    (0xA640, 0xA66D), (0xA680, 0xA69B), (0xA722, 0xA76F), (0xA771, 0xA787), (0xA78B, 0xA78E), (0xAB70, 0xABBF),
+    (0xFB00, 0xFB06), (0xFB13, 0xFB17), (0xFF21, 0xFF3A), (0xFF41, 0xFF5A), (0x10400, 0x1044F),
+    (0x104B0, 0x104D3), (0x104D8, 0x104FB), (0x10C80, 0x10CB2), (0x10CC0, 0x10CF2), (0x118A0, 0x118DF),
+    (0x1E900, 0x1E943)]
+
+
+def _suite_pre_tokenizer(pre: str):
+    """The HF pre-tokenizer of a suite vocab's `tokenizer.ggml.pre` (ValueError for one not listed here)."""
+    from tokenizers import Regex, pre_tokenizers
+
+    def split(pattern: str):
+        return pre_tokenizers.Split(Regex(pattern), behavior="isolated")
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    bytes_only = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    letters = "".join(chr(a) if a == b else f"{chr(a)}-{chr(b)}" for a, b in _DEEPSEEK_LETTERS)
+    steps = {
+        "gpt-2": [byte_level], "mpt": [byte_level],
+        "starcoder": [pre_tokenizers.Digits(individual_digits=True), byte_level],
+        "refact": [pre_tokenizers.Digits(individual_digits=True), byte_level],
+        "command-r": [pre_tokenizers.Digits(individual_digits=True), byte_level],
+        "smollm": [pre_tokenizers.Digits(individual_digits=True), byte_level],
+        "llama-bpe": [split(_LLAMA3_REGEX), bytes_only],
+        "qwen2": [split(_QWEN2_REGEX), bytes_only],
+        "qwen35": [split(_QWEN35_REGEX), bytes_only],
+        "falcon": [pre_tokenizers.Punctuation("contiguous"), byte_level, pre_tokenizers.Digits(individual_digits=False),
+                   split("[0-9][0-9][0-9]")],
+        "deepseek-coder": [split("[\r\n]"), split(r"\s?\p{L}+"), split(r"\s?\p{P}+"), split(_CJK_REGEX),
+                           pre_tokenizers.Digits(individual_digits=True), bytes_only],
+        "deepseek-llm": [split("[\r\n]"), split(rf"\s?[{letters}]+"),
+                         split("\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+"), split(r"\s+$"),
+                         split(_CJK_REGEX), pre_tokenizers.Digits(individual_digits=False), bytes_only],
+    }
+    if pre not in steps:
+        raise ValueError(f"no reference pre-tokenizer for tokenizer.ggml.pre={pre!r}")
+    return pre_tokenizers.Sequence(steps[pre])
+
+
+def suite_reference_tokenizer(gguf_path):
+    """A `tokenizers.Tokenizer` for a byte-level BPE vocab of llama.cpp's tokenizer suite (any GGUF of those pres).
+
+    BPE over the GGUF's vocab and merges (Llama 3's with ignore_merges), the model's pre-tokenizer, control
+    tokens (type 3) as special added tokens and user-defined ones (type 4) as plain added tokens.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+
+    meta = read_tokenizer_metadata(gguf_path)
+    if meta["model"] != "gpt2":
+        raise ValueError(f"{gguf_path}: tokenizer.ggml.model is {meta['model']!r}, not byte-level BPE")
+    vocab = {tok: i for i, tok in enumerate(meta["tokens"])}
+    merges = [tuple(m.split(" ", 1)) for m in meta["merges"]]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
+                               ignore_merges=meta["pre"] == "llama-bpe"))
+    tok.pre_tokenizer = _suite_pre_tokenizer(meta["pre"])
+    tok.decoder = decoders.ByteLevel()
+    types = meta["token_type"]
+    tok.add_tokens([AddedToken(meta["tokens"][i], special=types[i] == _TOKEN_TYPE_CONTROL, normalized=False)
+                    for i in np.flatnonzero((types == _TOKEN_TYPE_CONTROL) | (types == _TOKEN_TYPE_USER_DEFINED))])
     return tok
 
 

@@ -16,10 +16,17 @@ from hypothesis import strategies as st
 from tinyllm import tokenizer as tokmod
 from tinyllm.bpe_train import train_bpe
 from tinyllm.gguf import GGUFFile
-from tinyllm.tokenizer import (GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN, SMOLLM_PATTERN, StreamDecoder, Tokenizer,
-                               bpe, byte_level_alphabet, merge_pair)
+from tinyllm.tokenizer import (DEEPSEEK_CODER_FUSED, DEEPSEEK_CODER_STAGES, DEEPSEEK_LLM_FUSED, DEEPSEEK_LLM_STAGES,
+                               FALCON_FUSED, FALCON_STAGES, GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN, QWEN35_PATTERN, SMOLLM_PATTERN, StreamDecoder, Tokenizer,
+                               bpe, byte_level_alphabet, merge_pair, split_in_stages)
 
-ALL_PATTERNS = [GPT2_PATTERN, SMOLLM_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN]
+ALL_PATTERNS = [GPT2_PATTERN, SMOLLM_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN, QWEN35_PATTERN]
+ALL_STAGES = [FALCON_STAGES, DEEPSEEK_CODER_STAGES, DEEPSEEK_LLM_STAGES]
+PUBLISHED_AND_FUSED = [(FALCON_STAGES, FALCON_FUSED), (DEEPSEEK_CODER_STAGES, DEEPSEEK_CODER_FUSED),
+                       (DEEPSEEK_LLM_STAGES, DEEPSEEK_LLM_FUSED)]
+# Dense in the characters where the stages differ: whitespace kinds, letters inside and outside DeepSeek LLM's
+# list, combining marks, punctuation (ASCII, full-width, Unicode), symbols, digits of several scripts, CJK.
+TRICKY = " \t\n\r\u3000\u2028\u00a0aZé\u0301'sl.,!?$+<=>^`|~\u20ac\u00a9😀-_()\uff01\u201c\u00b7\u30fb09\u0660\u0966\u00b2\u00bd日한\u0915\u093e\u0800\u0531"
 
 # Text that exercises every part of the pre-tokenizer and the merges. (name, text) for readable test ids.
 CORPUS = [
@@ -213,6 +220,47 @@ def test_patterns_lose_no_text(text):
         assert "".join(regex.findall(pattern, text)) == text
 
 
+def compiled_stages(stages):
+    return [regex.compile(f"({stage})") for stage in stages]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text())
+def test_stages_lose_no_text(text):
+    for stages in ALL_STAGES:
+        pieces = split_in_stages(text, compiled_stages(stages))
+        assert "".join(pieces) == text and all(pieces)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text() | st.text(alphabet=st.sampled_from(TRICKY), max_size=40))
+def test_fused_stages_equal_the_published_ones(text):
+    for published, fused in PUBLISHED_AND_FUSED:
+        assert split_in_stages(text, compiled_stages(fused)) == split_in_stages(text, compiled_stages(published))
+
+
+@pytest.mark.parametrize("name,text", CORPUS)
+def test_fused_stages_on_corpus(name, text):
+    for published, fused in PUBLISHED_AND_FUSED:
+        assert split_in_stages(text, compiled_stages(fused)) == split_in_stages(text, compiled_stages(published))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.text(alphabet="ab <|>", min_size=1, max_size=5), min_size=1, max_size=8),
+       st.text(alphabet="ab <|>x", max_size=30))
+def test_added_token_trie_matches_the_longest_token_first(tokens, text):
+    longest_first = regex.compile("(" + "|".join(map(regex.escape, sorted(tokens, key=len, reverse=True))) + ")")
+    assert tokmod._alternation(tokens).split(text) == longest_first.split(text)
+
+
+def test_split_in_stages_examples():
+    assert split_in_stages("ab12\ncd", compiled_stages(DEEPSEEK_CODER_STAGES)) == ["ab", "1", "2", "\n", "cd"]
+    # a later stage cuts inside an earlier stage's match: "3333" is one GPT-2 word, then "333" + "3"
+    assert split_in_stages("x 3333, y!!", compiled_stages(FALCON_STAGES)) == ["x", " ", "333", "3", ",", " y", "!!"]
+    # DeepSeek LLM cuts trailing whitespace off the end of each piece
+    assert split_in_stages("a  \nb ", compiled_stages(DEEPSEEK_LLM_STAGES)) == ["a", "  ", "\n", "b", " "]
+
+
 def test_smollm_pretokenizer_examples():
     assert regex.findall(SMOLLM_PATTERN, "a  2") == ["a", "  ", "2"]
     assert regex.findall(SMOLLM_PATTERN, "Hi  42!") == ["Hi", "  ", "4", "2", "!"]
@@ -237,15 +285,37 @@ def test_toy_vocab_from_gguf_metadata():
     ({"tokenizer.ggml.pre": "klingon"}, "pre-tokenizer tinyllm does not know"),
     ({"tokenizer.ggml.merges": ["x y z"]}, "expected two tokens"),
     ({"tokenizer.ggml.merges": ["a Ω"]}, "not in the vocab"),
-    ({"tokenizer.ggml.tokens": ["<|end|>", "\x00"]}, "not in GPT-2's byte-level alphabet"),
+    ({"tokenizer.ggml.tokens": ["<|end|>", "\u2581", "t", "\u2581t"]}, "'\u2581', which is not in GPT-2's byte"),
 ])
 def test_bad_gguf_metadata_raises_clear_errors(override, message):
     meta = toy_byte_level_metadata(**override)
-    if "tokenizer.ggml.tokens" in override:
-        meta["tokenizer.ggml.token_type"] = [3, 1]
-        meta["tokenizer.ggml.merges"] = []
+    if "tokenizer.ggml.tokens" in override:   # a SentencePiece-style vocab: its merges join non-byte-level text
+        meta["tokenizer.ggml.token_type"] = [3, 1, 1, 1]
+        meta["tokenizer.ggml.merges"] = ["\u2581 t"]
     with pytest.raises(ValueError, match=message):
         Tokenizer.from_gguf_metadata(meta)
+
+
+def test_user_defined_tokens_are_matched_even_without_special_tokens():
+    """llama.cpp (parse_special=false) and HF (encode_special_tokens) still match non-control added tokens."""
+    meta = toy_byte_level_metadata()
+    meta["tokenizer.ggml.tokens"] = [*meta["tokenizer.ggml.tokens"], "  "]   # MPT-style: a run of spaces
+    meta["tokenizer.ggml.token_type"] = [*meta["tokenizer.ggml.token_type"], 4]
+    toy = Tokenizer.from_gguf_metadata(meta)
+    spaces = 259
+    for allow_special in (True, False):
+        assert toy.encode("ab  abc<|end|>", allow_special=allow_special)[:3] == [257, spaces, 258]
+    assert toy.encode("<|end|>", allow_special=True) == [0]
+    assert 0 not in toy.encode("<|end|>", allow_special=False)
+
+
+def test_plain_text_tokens_decode_but_are_never_encoded():
+    """A token outside the byte-level alphabet that no merge uses (Command R's emoji) only decodes."""
+    meta = toy_byte_level_metadata()
+    meta["tokenizer.ggml.tokens"] = [*meta["tokenizer.ggml.tokens"], "\u2122"]   # "™"
+    meta["tokenizer.ggml.token_type"] = [*meta["tokenizer.ggml.token_type"], 1]
+    toy = Tokenizer.from_gguf_metadata(meta)
+    assert toy.decode([259]) == "\u2122" and toy.encode("\u2122") == [1 + b for b in "\u2122".encode()]
 
 
 def test_missing_gguf_key_raises():

@@ -116,3 +116,54 @@ def test_the_no_cache_forward_can_be_traced_and_selections_bound_memory(tiny):
         tiny.logits([1, 2], trace=tr)                                   # a second sequence into a used trace
     with pytest.raises(ValueError, match="speculative"):
         tinyllm.generate(tiny, PROMPT, max_new_tokens=2, trace=True, speculative="ngram")
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    p = tmp_path_factory.mktemp("tiny_scripts") / "tiny.gguf"
+    tiny_llama(p)
+    return p
+
+
+def _script(name, *args):
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parent.parent
+    return subprocess.run([sys.executable, str(repo / "scripts" / name), *map(str, args)], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_attention_script_lists_the_most_attended_positions(tiny_path, tiny):
+    r = _script("attention.py", "--model", tiny_path, "--prompt", "hello world", "--layer", 1, "--text")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    n = len(tiny.tokenizer.encode("hello world"))
+    assert lines[0].startswith("layer 1, the average of 4 heads") and len(lines) == 1 + n
+    assert lines[1].split("->")[1].strip().startswith("0:")       # the first position can only read itself
+    bad = _script("attention.py", "--model", tiny_path, "--prompt", "hi", "--layer", 7, "--text")
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: --layer 7 is out of range: the model has layers 0 .. 1"
+
+
+@pytest.mark.parametrize("script, extra", [("attention.py", ["--layer", 0]), ("lens.py", [])])
+def test_picture_scripts_write_a_png_or_say_what_to_install(tiny_path, tmp_path, script, extra):
+    out = tmp_path / "picture.png"
+    r = _script(script, "--model", tiny_path, "--prompt", "hello world", "--out", out, *extra)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert r.returncode != 0 and 'pip install -e ".[viz]"' in r.stderr
+        return
+    assert r.returncode == 0, r.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_lens_script_table_ends_with_the_model_prediction(tiny_path, tiny):
+    r = _script("lens.py", "--model", tiny_path, "--prompt", "hello world")
+    assert r.returncode == 0, r.stderr
+    rows = r.stdout.splitlines()
+    assert rows[0].startswith("layer |") and len(rows) == 1 + tiny.config.n_layers
+    logits = tiny.logits(tiny.tokenizer.encode("hello world"))[-1]
+    top = tiny.tokenizer.decode([int(logits.argmax())]).replace("\n", "\\n")[:10]
+    p = ops.softmax(logits.astype(np.float64)).max()
+    assert rows[-1].rstrip().endswith(f"{top} {p:.2f}")                # the last layer, last position

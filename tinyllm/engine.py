@@ -208,7 +208,7 @@ class Engine:
         if self.model.tokenizer is not None:
             child.decoder = self.model.tokenizer.stream_decoder()
         self.pool.allocator.fork(pool_name(parent.request_id), pool_name(child_id))
-        child.cache = SequenceCache(self.pool, child_id)
+        child.cache = SequenceCache(self.pool, pool_name(child_id))
         child.cache.length, child.cache.slots = parent.cache.length, parent.cache.slots.copy()
         used = {r.slot for r in self.scheduler.running}
         child.slot = next(s for s in range(len(used) + 1) if s not in used)

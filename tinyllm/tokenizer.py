@@ -2,9 +2,9 @@
 
 Encoding runs four steps, each visible below:
   1. special tokens: text such as "<|im_start|>" is cut out first and becomes its one id (allow_special=False
-     turns this off, so user text can never forge a control token);
+     turns this off for control tokens, so user text can never forge one);
   2. pre-tokenization: a regex, chosen per model, splits the rest into words (SmolLM2: "Hi  42!" -> "Hi", "  ",
-     "4", "2", "!"); BPE never merges across two words;
+     "4", "2", "!"), or several regexes in stages (Falcon, DeepSeek); BPE never merges across two words;
   3. bytes: each word becomes its UTF-8 bytes, and each byte its single-byte token;
   4. BPE merges: repeatedly merge the adjacent pair whose merge was learned first (lowest rank), until no
      adjacent pair has a merge. The result for each word is cached, as text repeats words a lot.
@@ -16,7 +16,11 @@ never contains). Like HF tokenizers and llama.cpp, tinyllm drops such bytes sile
 the reference; `Tokenizer.unencodable_bytes` lists them, and decode(encode(s)) == s holds exactly when s contains
 none of them.
 
-Not here: SentencePiece tokenizers (Llama 2), normalizers, byte fallback, BPE dropout; training is in bpe_train.py.
+The GGUF pre-tokenizers known (`GGUF_PRETOKENIZERS`) are those of every byte-level BPE vocab in llama.cpp's
+tokenizer suite, which tests/test_tokenizer_suite.py runs case by case.
+
+Not here: SentencePiece and WordPiece tokenizers (Llama 2, Phi-3, BERT), normalizers (HF applies NFC for some of
+these models; llama.cpp does not, nor does tinyllm), byte fallback, BPE dropout; training is in bpe_train.py.
 """
 from __future__ import annotations
 
@@ -28,36 +32,11 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import regex
 
-# --- pre-tokenizer patterns --------------------------------------------------------------------------------
-# Each pattern matches every character of any text (letters, numbers, whitespace and everything else each have
-# an alternative), so `findall` loses nothing: the words it returns concatenate back to the text.
-
-# GPT-2: contractions, letter runs, number runs and symbol runs (each with one optional leading space), then
-# whitespace. `\s+(?!\S)` leaves the last space of a run to start the next word: "a   b" -> "a", "  ", " b".
-GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-
-# SmolLM2 (GGUF pre "smollm", HF Digits(individual_digits=True) then ByteLevel): every number character is split
-# off alone first, then the GPT-2 pattern runs on the pieces between them. Written here as one regex: `\p{N}`
-# takes one number character; ` ?\p{N}+` is gone; and a whitespace run just before a number ends a piece in the
-# two-step form, so it stays whole (`\s+(?=\p{N})`) instead of giving its last space away.
-# Example: "a  2" -> "a", "  ", "2" (ids 81, 256, 34).
-SMOLLM_PATTERN = r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?=\p{N})|\s+(?!\S)|\s+"""
-
-# Llama 3 (GGUF pre "llama-bpe"): case-insensitive contractions, numbers in groups of up to 3 digits, newlines
-# kept apart from other whitespace, any one non-letter may lead a letter run.
-LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
-                  r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
-# Qwen2: Llama 3's pattern with every digit alone.
-QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
-
-# GGUF `tokenizer.ggml.pre` -> (pattern, ignore_merges). The names and groupings follow llama.cpp (llama-vocab.cpp).
-# ignore_merges: a word that is itself in the vocab is taken whole, without running the merges (Llama 3 does).
-GGUF_PRETOKENIZERS: dict[str, tuple[str, bool]] = {
-    "gpt2": (GPT2_PATTERN, False), "gpt-2": (GPT2_PATTERN, False),
-    "smollm": (SMOLLM_PATTERN, False), "starcoder": (SMOLLM_PATTERN, False), "refact": (SMOLLM_PATTERN, False),
-    "llama-bpe": (LLAMA3_PATTERN, True), "llama3": (LLAMA3_PATTERN, True),
-    "qwen2": (QWEN2_PATTERN, False),
-}
+from .stream_decoder import StreamDecoder
+from .pretokenize import (DEEPSEEK_CODER_FUSED, DEEPSEEK_CODER_STAGES, DEEPSEEK_LLM_FUSED,  # noqa: F401
+                          DEEPSEEK_LLM_STAGES, FALCON_FUSED, FALCON_STAGES, GGUF_PRETOKENIZERS, GPT2_PATTERN,
+                          LLAMA3_PATTERN, QWEN2_PATTERN, QWEN35_PATTERN, SMOLLM_PATTERN,
+                          pattern_from_hf_pre_tokenizer, split_in_stages)
 
 CHATML_MARKERS = ("<|im_start|>", "<|im_end|>")   # a turn's start and end: control tokens in ChatML vocabs
 
@@ -164,16 +143,21 @@ class Tokenizer:
     takes the vocab as raw bytes, the file formats' GPT-2 byte-to-character encoding already undone:
       token_bytes:  token_bytes[id] is the bytes of token `id` (for added tokens: the UTF-8 of their text).
       merges:       (left_id, right_id, merged_id) in rank order: merges[0] is applied first.
-      pattern:      the pre-tokenizer regex (see the *_PATTERN constants).
+      pattern:      the pre-tokenizer: one regex (see the *_PATTERN constants), or a tuple of regexes applied in
+                    stages (the *_FUSED constants, see `split_in_stages`).
       added_tokens: text -> id of tokens matched as a whole in the input text before pre-tokenization.
-      special_ids:  control tokens: decode(skip_special=True) drops them.
+      special_ids:  control tokens: decode(skip_special=True) drops them, and encode(allow_special=False) reads
+                    their text as plain text. Added tokens that are not control tokens (user-defined: MPT's runs
+                    of spaces) are always matched, as in llama.cpp and HF tokenizers.
       ignore_merges: a word that is itself a token is taken whole (Llama 3); otherwise merges decide.
+      unreachable_ids: tokens that encode never produces (text that is not byte-level); decode still gives them.
     """
 
-    def __init__(self, token_bytes: Sequence[bytes], merges: Iterable[tuple[int, int, int]], pattern: str, *,
+    def __init__(self, token_bytes: Sequence[bytes], merges: Iterable[tuple[int, int, int]],
+                 pattern: str | tuple[str, ...], *,
                  added_tokens: Mapping[str, int] | None = None, special_ids: Iterable[int] = (),
                  bos_id: int | None = None, eos_id: int | None = None, chat_template: str | None = None,
-                 ignore_merges: bool = False):
+                 ignore_merges: bool = False, unreachable_ids: Iterable[int] = ()):
         self._token_bytes = [bytes(b) for b in token_bytes]   # id -> bytes
         self._added = dict(added_tokens or {})                 # text -> id, matched whole in the input
         special_ids = frozenset(special_ids)
@@ -186,13 +170,17 @@ class Tokenizer:
         self.chat_template = chat_template
         self.ignore_merges = ignore_merges
         self.pattern = pattern
-        self._words = regex.compile(pattern)
+        if isinstance(pattern, str):
+            self._words = regex.compile(pattern)
+        else:   # stages: each regex in a capture group, so that split() keeps its matches as pieces
+            self._words = None
+            self._first_stage, *self._later_stages = [regex.compile(f"({stage})") for stage in pattern]
 
         # bytes -> id of ordinary tokens (used for the single-byte tokens and by ignore_merges).
-        added_ids = set(self._added.values())
+        not_ordinary = set(self._added.values()).union(unreachable_ids)
         self._bytes_to_id: dict[bytes, int] = {}
         for token_id, data in enumerate(self._token_bytes):
-            if token_id not in added_ids:
+            if token_id not in not_ordinary:
                 self._bytes_to_id.setdefault(data, token_id)
         self._byte_ids = [self._bytes_to_id.get(bytes([b])) for b in range(256)]   # byte -> id, or None
 
@@ -204,9 +192,9 @@ class Tokenizer:
             self._ranks.setdefault((left, right), rank)
             self._merged.setdefault((left, right), new)
 
-        # One regex for all added tokens, longest first, so "<|im_start|>" wins over any shorter prefix of it.
-        longest_first = sorted(self._added, key=len, reverse=True)
-        self._added_re = regex.compile("(" + "|".join(map(regex.escape, longest_first)) + ")") if self._added else None
+        # One regex for all added tokens, one for the user-defined ones alone (allow_special=False).
+        self._added_re = _alternation(self._added)
+        self._user_defined_re = _alternation(t for t, i in self._added.items() if i not in special_ids)
         self._cache: dict[str, tuple[int, ...]] = {}    # word -> its ids
         self.max_token_bytes = max(map(len, self._token_bytes), default=1)
         self._unencodable = bytes(sorted(self.unencodable_bytes))
@@ -230,7 +218,7 @@ class Tokenizer:
         model = get("tokenizer.ggml.model")
         if model != "gpt2":
             raise ValueError(f"tokenizer.ggml.model is {model!r}: tinyllm implements only byte-level BPE ('gpt2'), "
-                             f"not SentencePiece ('llama') or others")
+                             f"not SentencePiece ('llama'), WordPiece ('bert') or others")
         pre = get("tokenizer.ggml.pre")
         if pre not in GGUF_PRETOKENIZERS:
             raise ValueError(f"tokenizer.ggml.pre is {pre!r}, a pre-tokenizer tinyllm does not know; known: "
@@ -242,18 +230,26 @@ class Tokenizer:
             raise ValueError(f"GGUF metadata has {len(tokens)} tokens but {len(types)} token types")
 
         char_to_byte = _byte_level_decoder()
-        token_bytes, added, special = [], {}, []
+        token_bytes, added, special, plain_text = [], {}, [], set()
         for token_id, (token, token_type) in enumerate(zip(tokens, types)):
             if token_type in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED):
                 token_bytes.append(token.encode("utf-8"))   # stored as plain text, not byte-level
                 added[token] = token_id
                 if token_type == TOKEN_TYPE_CONTROL:
                     special.append(token_id)
-            else:
+            elif char_to_byte.keys() >= set(token):
                 token_bytes.append(_byte_level_to_bytes(token, char_to_byte))
+            else:
+                # Not byte-level text (Command R has 1,403 such emoji and symbols): BPE over bytes can never build
+                # it, so it is unreachable by encode; decode gives its text, as HF's ByteLevel decoder does.
+                token_bytes.append(token.encode("utf-8"))
+                plain_text.add(token_id)
         vocab = {token: token_id for token_id, token in enumerate(tokens)}
         merges = _merge_ids((m.split(" ") for m in get("tokenizer.ggml.merges", list, of=str)), vocab)
-        return cls(token_bytes, merges, pattern, added_tokens=added, special_ids=special,
+        merged_plain_text = plain_text.intersection(chain.from_iterable(merges))
+        if merged_plain_text:   # byte-level merges only ever join byte-level tokens: this is another scheme
+            _byte_level_to_bytes(tokens[min(merged_plain_text)], char_to_byte)   # raises, naming the character
+        return cls(token_bytes, merges, pattern, added_tokens=added, special_ids=special, unreachable_ids=plain_text,
                    bos_id=get("tokenizer.ggml.bos_token_id", int, None),
                    eos_id=get("tokenizer.ggml.eos_token_id", int, None),
                    chat_template=get("tokenizer.chat_template", str, None), ignore_merges=ignore_merges)
@@ -278,7 +274,7 @@ class Tokenizer:
                 raise ValueError(f"{path}: BPE option {key}={model[key]!r} is not supported")
         if spec.get("decoder") and spec["decoder"].get("type") != "ByteLevel":
             raise ValueError(f"{path}: decoder {spec['decoder'].get('type')!r} is not supported (only ByteLevel)")
-        pattern = _pattern_from_hf_pre_tokenizer(spec.get("pre_tokenizer"), path)
+        pattern = pattern_from_hf_pre_tokenizer(spec.get("pre_tokenizer"), path)
 
         vocab: dict[str, int] = model["vocab"]
         added = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
@@ -358,14 +354,16 @@ class Tokenizer:
         """Text -> token ids. No BOS is added.
 
         allow_special=True: text of an added/special token ("<|im_end|>") becomes that token's id.
-        allow_special=False: it is encoded as plain text (use this for untrusted user input).
+        allow_special=False: control-token text is encoded as plain text (use this for untrusted user input);
+        user-defined added tokens are still matched, as llama.cpp (parse_special=false) and HF do.
         """
         _check_text(text)
-        if not (allow_special and self._added_re):
+        added_re = self._added_re if allow_special else self._user_defined_re
+        if added_re is None:
             return self._encode_ordinary(text)
         ids: list[int] = []
-        # split() with a capture group alternates: ordinary text, special token, ordinary text, ...
-        for i, part in enumerate(self._added_re.split(text)):
+        # split() with a capture group alternates: ordinary text, added token, ordinary text, ...
+        for i, part in enumerate(added_re.split(text)):
             if i % 2:
                 ids.append(self._added[part])
             elif part:
@@ -375,14 +373,19 @@ class Tokenizer:
     def _encode_ordinary(self, text: str) -> list[int]:
         """Pre-tokenize with the regex, BPE each word not seen before, then look every word up in the cache."""
         cache = self._cache
-        words = self._words.findall(text)
+        # With stages, the "words" cached here are the first stage's pieces; _encode_piece runs the later stages.
+        words = self._words.findall(text) if self._words else list(filter(None, self._first_stage.split(text)))
         new_words = set(words).difference(cache)
         if len(cache) + len(new_words) > WORD_CACHE_LIMIT:
             cache.clear()
             new_words = set(words)
         for word in new_words:
-            cache[word] = self._encode_word(word)
+            cache[word] = self._encode_word(word) if self._words else self._encode_piece(word)
         return list(chain.from_iterable(map(cache.__getitem__, words)))   # the hot loop, run in C
+
+    def _encode_piece(self, piece: str) -> tuple[int, ...]:
+        """One piece of a staged pre-tokenizer's first stage -> ids: the later stages cut it into words."""
+        return tuple(chain.from_iterable(map(self._encode_word, split_in_stages(piece, self._later_stages))))
 
     def _encode_word(self, word: str) -> tuple[int, ...]:
         """One pre-tokenized word -> ids: its bytes as single-byte tokens, then BPE merges."""
@@ -407,8 +410,8 @@ class Tokenizer:
         ids = [i for i in ids if i not in self.special_ids] if skip_special else ids
         return b"".join(self.id_to_bytes(i) for i in ids).decode("utf-8", errors="replace")
 
-    def stream_decoder(self, skip_special: bool = False) -> "StreamDecoder":
-        """A decoder for ids that arrive one at a time (generation): see StreamDecoder."""
+    def stream_decoder(self, skip_special: bool = False) -> StreamDecoder:
+        """A decoder for ids that arrive one at a time (generation): see stream_decoder.py."""
         return StreamDecoder(self, skip_special)
 
     # --- chat ------------------------------------------------------------------------------------------------
@@ -457,51 +460,31 @@ class Tokenizer:
         return parts
 
 
-class StreamDecoder:
-    """Decodes ids one at a time, never emitting half a UTF-8 character.
-
-    One token can end inside a character: an emoji is 4 bytes and often spread over 2-3 tokens. Decoding each
-    token alone would print '�' garbage, so `feed` keeps the unfinished bytes at the end and emits them once the
-    character is complete. Joining every `feed` result and the final `flush` gives exactly `decode(ids)`;
-    invalid bytes become '�' as in `decode`, never an exception.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False):
-        self._tokenizer = tokenizer
-        self._skip = tokenizer.special_ids if skip_special else frozenset()
-        self._pending = b""   # bytes of a character that is not complete yet (0-3 bytes)
-
-    def feed(self, token_id: int) -> str:
-        """Add one token; return the text that is now complete (may be "")."""
-        if token_id in self._skip:
-            return ""
-        data = self._pending + self._tokenizer.id_to_bytes(token_id)
-        cut = len(data) - _unfinished_utf8_tail(data)
-        self._pending = data[cut:]
-        return data[:cut].decode("utf-8", errors="replace")
-
-    def flush(self) -> str:
-        """End of stream: return what is left (an unfinished character becomes '�')."""
-        text, self._pending = self._pending.decode("utf-8", errors="replace"), b""
-        return text
-
-
-def _unfinished_utf8_tail(data: bytes) -> int:
-    """How many bytes at the end of `data` begin a UTF-8 character whose remaining bytes have not arrived (0-3).
-
-    A character is a lead byte (0xxxxxxx: 1 byte, 110xxxxx: 2, 1110xxxx: 3, 11110xxx: 4) followed by
-    continuation bytes (10xxxxxx). Holding back from a lead byte is always safe: the UTF-8 decoder restarts at
-    any byte that is not a continuation byte, so the split cannot change how the text decodes.
-    """
-    for back in range(1, min(4, len(data)) + 1):
-        byte = data[-back]
-        if byte & 0b1100_0000 != 0b1000_0000:   # not a continuation byte: a character starts here
-            length = 2 if 0xC2 <= byte <= 0xDF else 3 if 0xE0 <= byte <= 0xEF else 4 if 0xF0 <= byte <= 0xF4 else 1
-            return back if back < length else 0
-    return 0   # only continuation bytes: invalid whatever comes next, so nothing to wait for
-
-
 # --- helpers -----------------------------------------------------------------------------------------------
+def _alternation(texts: Iterable[str]) -> regex.Pattern | None:
+    """One regex matching any of `texts`, the longest where several match (so "<|im_start|>" wins over a prefix of
+    it); None if `texts` is empty.
+
+    Written as a trie ("ab", "abc", "ad" -> "a(?:b(?:c)?|d)"): a plain alternation of MPT's 178 runs of spaces
+    would try every one of them at every space of the text; the trie reads each character once.
+    """
+    trie: dict[str, dict] = {}
+    for text in texts:
+        node = trie
+        for char in text:
+            node = node.setdefault(char, {})
+        node[""] = {}   # a token ends here
+
+    def pattern(node: dict[str, dict]) -> str:
+        branches = [regex.escape(char) + pattern(child) for char, child in node.items() if char]
+        if not branches:
+            return ""
+        body = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
+        return f"(?:{body})?" if "" in node else body   # greedy: the longer token first, then the one ending here
+
+    return regex.compile(f"({pattern(trie)})") if trie else None
+
+
 def _check_text(text: Any) -> None:
     """ValueError with a one-line fix for input that is not (valid) text, instead of an error from deep inside."""
     if isinstance(text, (bytes, bytearray, memoryview)):
@@ -531,36 +514,6 @@ def _merge_ids(merges: Iterable[Sequence[str]], vocab: Mapping[str, int]) -> lis
             raise ValueError(f"merge {rank} ({left!r}, {right!r}) uses {e.args[0]!r}, "
                              f"which is not in the vocab") from None
     return out
-
-
-def _pattern_from_hf_pre_tokenizer(pre: Mapping[str, Any] | None, path: Path) -> str:
-    """The one regex equivalent to an HF tokenizer.json pre_tokenizer; ValueError naming what is unsupported.
-
-    Supported: ByteLevel (GPT-2); Sequence[Digits(individual_digits), ByteLevel] (SmolLM2);
-    Sequence[Split(Llama 3 or Qwen2 regex, Isolated), ByteLevel(use_regex=False)] (Llama 3, Qwen2).
-    """
-    steps = list(pre.get("pretokenizers", [])) if pre and pre.get("type") == "Sequence" else [pre] if pre else []
-    if not steps or steps[-1].get("type") != "ByteLevel":
-        raise ValueError(f"{path}: pre_tokenizer {[s.get('type') for s in steps]} is not supported: the last step "
-                         f"must be ByteLevel")
-    byte_level, rest = steps[-1], steps[:-1]
-    if byte_level.get("add_prefix_space"):
-        raise ValueError(f"{path}: ByteLevel(add_prefix_space=True) is not supported")
-    use_regex = byte_level.get("use_regex", True)
-    kinds = [s.get("type") for s in rest]
-    if kinds == [] and use_regex:
-        return GPT2_PATTERN
-    if kinds == ["Digits"] and rest[0].get("individual_digits") and use_regex:
-        return SMOLLM_PATTERN
-    if kinds == ["Split"] and not use_regex:
-        split = rest[0]
-        pattern = (split.get("pattern") or {}).get("Regex")
-        known = {LLAMA3_PATTERN: "Llama 3", QWEN2_PATTERN: "Qwen2"}
-        if pattern in known and split.get("behavior") == "Isolated" and not split.get("invert"):
-            return pattern
-        raise ValueError(f"{path}: Split pre-tokenizer with pattern {pattern!r} (behavior "
-                         f"{split.get('behavior')}) is not supported; known patterns: Llama 3, Qwen2")
-    raise ValueError(f"{path}: pre_tokenizer {kinds + ['ByteLevel']} (use_regex={use_regex}) is not supported")
 
 
 def _chatml_default_system(template: str | None) -> str | None:

@@ -82,7 +82,7 @@ def check_finite(weights: dict, source: str) -> None:
     """CheckpointError naming the first tensor holding a NaN or an infinity (a corrupt file, or a diverged training
     run): such a model would print garbage, or nothing, and exit as if all went well."""
     for name, w in weights.items():
-        for a in w._arrays() if isinstance(w, QuantizedWeight) else [w]:
+        for a in w.arrays if isinstance(w, QuantizedWeight) else [w]:
             # A sum is NaN or infinite whenever any term is, and costs one streaming pass; only a sum that
             # overflowed from finite terms needs the exact element-wise test.
             with np.errstate(over="ignore", invalid="ignore"):
