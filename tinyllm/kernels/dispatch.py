@@ -13,7 +13,7 @@ the ops of such a pass). A one-token step of a Llama block on a contiguous cache
 from __future__ import annotations
 
 import numpy as np
-from numba import config, njit
+from numba import config
 from numba.extending import overload
 
 from .. import ops
@@ -21,7 +21,6 @@ from . import blas, intdot
 from .attention_kernels import causal_attention, decode_attention, paged_decode_attention
 from .linear_kernels import (TILE_MIN_ROWS, linear_int8_a8, linear_q4, linear_q4_a8, linear_rows, linear_tiled,
                              round_rows, weight_arrays)
-from .numerics import SERIAL
 from .pointwise import swiglu_into, swiglu_rows_into
 
 SMALL_M = 128     # up to this many rows the Numba linears beat BLAS (RESULTS.md, "Kernel design measurements")
@@ -30,19 +29,21 @@ FUSED_ROWS = 0 if config.DISABLE_JIT else FEW_TOKENS   # the fused block needs c
 
 
 # --- linear -----------------------------------------------------------------------------------------------------
-def _linear_kernels(w, x, out, int8_inputs, vnni):
-    """See linear_into. This Python body runs under NUMBA_DISABLE_JIT=1; compiled code calls the overload below,
-    the same rule specialised to the weight's format."""
+def linear_into(w, x, out, int8_inputs: bool, vnni: bool) -> None:
+    """out [M, O] = x [M, I] times the weight w, given as its `weight_arrays`, M <= SMALL_M. int8_inputs: round x to
+    int8 blocks first (quantized weights only); vnni: whether the integer dot products may use VNNI (intdot.py).
+    This Python body is what `linear` runs (so a first run compiles only the kernels it meets); compiled callers
+    (the fused block) get the overload below: the same rule, specialised to the format when they compile."""
     few, many, integer = ((linear_q4, linear_q4, linear_q4_a8) if len(w) == 3
                           else (linear_rows, linear_tiled, linear_int8_a8))
-    if int8_inputs and len(w) > 1 and x.shape[0] < TILE_MIN_ROWS:
+    if int8_inputs and len(w) > 1 and x.shape[0] < TILE_MIN_ROWS:         # a few rows: integer dot products
         integer(w, x, out, vnni)
-    else:
+    else:                                                                # float kernels (on the rounded rows)
         (few if x.shape[0] < TILE_MIN_ROWS else many)(w, round_rows(x) if int8_inputs and len(w) > 1 else x, out)
 
 
-@overload(_linear_kernels, inline="always")
-def _linear_kernels_typed(w, x, out, int8_inputs, vnni):
+@overload(linear_into, jit_options=dict(fastmath=True, nogil=True))
+def _linear_into_typed(w, x, out, int8_inputs, vnni):
     if len(w.types) == 3:                                                # 4-bit: one kernel for any M
         few, many, integer = linear_q4, linear_q4, linear_q4_a8
     else:                                                                # fp32, int8, int8-block
@@ -55,21 +56,13 @@ def _linear_kernels_typed(w, x, out, int8_inputs, vnni):
             many(w, x, out)
 
     def quantized(w, x, out, int8_inputs, vnni):
-        if int8_inputs and x.shape[0] < TILE_MIN_ROWS:                   # a few rows: integer dot products
+        if int8_inputs and x.shape[0] < TILE_MIN_ROWS:
             integer(w, x, out, vnni)
         elif x.shape[0] < TILE_MIN_ROWS:
             few(w, x, out)
-        else:                                                            # tiles: float kernels (on the rounded rows)
+        else:
             many(w, round_rows(x) if int8_inputs else x, out)
     return floats if len(w.types) == 1 else quantized
-
-
-@njit(**SERIAL)
-def linear_into(w, x, out, int8_inputs, vnni):
-    """out [M, O] = x [M, I] times the weight w, given as its `weight_arrays`, M <= SMALL_M. int8_inputs: round x to
-    int8 blocks first (quantized weights only); vnni: whether the integer dot products may use VNNI (intdot.py).
-    Callable from Python and from compiled code (the fused block); the format is chosen when it compiles."""
-    _linear_kernels(w, x, out, int8_inputs, vnni)
 
 
 def linear(x: np.ndarray, w, b: np.ndarray | None = None, int8_inputs: bool = False) -> np.ndarray:
