@@ -260,7 +260,8 @@ def cmd_calibrate(args) -> None:
                 measured = roofline.decode_step_time(model, S, args.steps, rng, batch=B)
                 predicted = report("decode", S, B, 1, roofline.decode_bytes(model, S, B),
                                    roofline.decode_flops(model, S, B), peak, measured)
-                decode_points.append((predicted, measured))
+                if B == 1:                                          # the fixed cost: batch-1 steps
+                    decode_points.append((predicted, measured))
         for T in args.prompts:
             shaped_peak = roofline.sgemm_gflops(T, c.dim, c.ffn_dim, repeats=args.repeats) * 1e9
             measured = roofline.prefill_time(model, T, args.repeats, rng)
@@ -274,18 +275,16 @@ def cmd_calibrate(args) -> None:
 
 
 def fixed_cost(points: list[tuple[float, float]]) -> str:
-    """Fit measured = fixed + slope x roofline over the decode points: the fixed part is what every step pays
-    whatever it reads (Python, calls, starting parallel kernels); the slope says how close the rest runs to the
-    roofs (1 = at them)."""
+    """What a batch-1 decode step pays beyond reading its bytes at the measured bandwidth (Python, calls, starting
+    parallel kernels, the parts that do not stream): measured - roofline per point, their mean. A slope is not fitted:
+    batch-1 points differ little in bytes, and the batch-8 points are bound by something else (their arithmetic
+    runs far from the sgemm peak), so a line through all of them has no meaning (a least-squares fit over both gave
+    negative fixed costs)."""
     import numpy as np
     pred, meas = np.array(points).T                                 # [N] seconds each
-    if len(set(np.round(pred, 9))) >= 2:
-        slope, fixed = np.polyfit(pred, meas, 1)
-        how = f"least squares over {len(points)} decode points"
-    else:
-        slope, fixed = 1.0, float(np.mean(meas - pred))
-        how = "measured - predicted (one distinct point: give more --contexts or --batches to fit a slope)"
-    return f"fixed per-step cost {fixed * 1e3:.2f} ms, slope {slope:.2f} x the roofline ({how})"
+    extra = (meas - pred) * 1e3
+    return (f"fixed per-step cost {extra.mean():.2f} ms (batch-1 steps: measured - bytes/bandwidth = "
+            f"{', '.join(f'{e:.2f}' for e in extra)} ms)")
 
 
 # --- main -----------------------------------------------------------------------------------------------------
