@@ -34,7 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quant", default=None, choices=["fp32", "int8", "int8-block", "q4_1", "native"],
                    help="weight format (see scripts/generate.py --help)")
     p.add_argument("--activations", default="float32", choices=["float32", "int8"])
-    p.add_argument("--threads", type=int, default=None, help="threads for BLAS and Numba (default: all cores)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="threads for BLAS and Numba (default: all cores but one, which the HTTP side needs)")
     g = p.add_argument_group("engine")
     g.add_argument("--kv-memory", default="256MiB", help="KV cache pool size")
     g.add_argument("--block-size", type=int, default=16, help="positions per KV block")
@@ -65,8 +66,9 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     try:
-        if args.threads is not None:
-            tinyllm.set_threads(args.threads)
+        # One core is left to the event loop that streams every token: with Numba's workers on all the cores it
+        # takes one from a parallel kernel in every step (RESULTS.md, "Serving over HTTP").
+        tinyllm.set_threads(args.threads if args.threads is not None else max(1, (os.cpu_count() or 1) - 1))
         t0 = time.perf_counter()
         model = tinyllm.load(args.model, quant=args.quant, activations=args.activations)
         default_name = Path(args.model).name.split(".")[0] if args.model else "SmolLM2-135M-Instruct"
