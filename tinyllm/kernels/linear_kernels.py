@@ -251,12 +251,9 @@ def round_rows(x):
 def _int8_row_dot(w, o, xq, xabs, xs, vnni):
     """Row o of an int8 weight (w = (q, scale)) times one rounded input row, scales applied (Python body: the
     reference dot products, as a CPU without VNNI runs them)."""
-    q, I = w[0], w[0].shape[1]
     if w[1].ndim == 2:
-        return dot_int8_block_reference(q, o, w[1], xq, xabs, xs)
-    full = I // BLOCK * BLOCK
-    tail = sum(int(q[o, i]) * int(xq[i]) for i in range(full, I))
-    return (dot_int8_reference(q, o, xq, xabs, xs) + np.float32(tail) * xs[-1]) * w[1][o]
+        return dot_int8_block_reference(w[0], o, w[1], xq, xabs, xs)
+    return (_int8_full_blocks(w[0], o, xq, xabs, xs, False) + _int8_short_block(w[0], o, xq, xs)) * w[1][o]
 
 
 @overload(_int8_row_dot, inline="always")
@@ -269,16 +266,27 @@ def _int8_row_dot_typed(w, o, xq, xabs, xs, vnni):
         return per_block
 
     def per_row(w, o, xq, xabs, xs, vnni):                             # one scale per row; any width
-        q, I = w[0], w[0].shape[1]
-        acc = dot_int8(q, o, xq, xabs, xs) if vnni else dot_int8_reference(q, o, xq, xabs, xs)
-        full = I // BLOCK * BLOCK
-        if full < I:                                                    # a last block shorter than 32
-            tail = 0
-            for i in range(full, I):
-                tail += np.int64(q[o, i]) * np.int64(xq[i])
-            acc += np.float32(tail) * xs[xs.shape[0] - 1]
-        return acc * w[1][o]
+        return (_int8_full_blocks(w[0], o, xq, xabs, xs, vnni) + _int8_short_block(w[0], o, xq, xs)) * w[1][o]
     return per_row
+
+
+@njit(**SERIAL)
+def _int8_full_blocks(q, o, xq, xabs, xs, vnni):
+    """Row o of q times the rounded row over its full blocks of 32 (dot_int8 or its reference body)."""
+    if vnni:
+        return dot_int8(q, o, xq, xabs, xs)
+    return dot_int8_reference(q, o, xq, xabs, xs)
+
+
+@njit(**SERIAL)
+def _int8_short_block(q, o, xq, xs):
+    """The last block when it is shorter than 32 (a row width not a multiple of 32), in integers, scaled."""
+    I = q.shape[1]
+    full = I // BLOCK * BLOCK
+    tail = 0
+    for i in range(full, I):
+        tail += np.int64(q[o, i]) * np.int64(xq[i])
+    return np.float32(tail) * xs[xs.shape[0] - 1] if full < I else np.float32(0.0)
 
 
 @njit(**PARALLEL)
