@@ -43,8 +43,13 @@ def lens_table(trace: Trace, last: int) -> tuple[list[str], np.ndarray, np.ndarr
     return trace.tokens[shown], np.stack(ids)[:, shown, 0], np.stack(probs)[:, shown, 0]
 
 
+def shown(text: str) -> str:
+    """A token's text made visible: spaces as '␣', newlines as '\\n' (a top token is often only whitespace)."""
+    return text.replace(" ", "␣").replace("\n", "\\n").replace("\t", "\\t")
+
+
 def render(model, labels, top_ids, top_probs) -> str:
-    piece = lambda i: model.tokenizer.decode([int(i)]).replace("\n", "\\n")[:10]   # noqa: E731
+    piece = lambda i: shown(model.tokenizer.decode([int(i)]))[:10]   # noqa: E731
     width = 12
     lines = ["layer | " + "".join(f"{lab.replace(chr(10), chr(92) + 'n')[:width - 1]!r:<{width}}" for lab in labels)]
     for layer in range(top_ids.shape[0]):
@@ -65,9 +70,9 @@ def plot(model, labels, top_ids, top_probs, out: str) -> None:
     ax.imshow(top_probs, cmap="Blues", vmin=0, vmax=1, aspect="auto")
     for layer in range(L):
         for p in range(P):
-            ax.text(p, layer, model.tokenizer.decode([int(top_ids[layer, p])]).replace("\n", "\\n")[:8],
+            ax.text(p, layer, shown(model.tokenizer.decode([int(top_ids[layer, p])]))[:8],
                     ha="center", va="center", fontsize=6, color="black" if top_probs[layer, p] < 0.6 else "white")
-    ax.set_xticks(range(P), [lab.replace("\n", "\\n") for lab in labels], rotation=45, ha="right", fontsize=7)
+    ax.set_xticks(range(P), [shown(lab) for lab in labels], rotation=45, ha="right", fontsize=7)
     ax.set_yticks(range(L), [str(i) for i in range(L)], fontsize=6)
     ax.set_xlabel("input position (the token shown is what each layer predicts comes next)")
     ax.set_ylabel("layer")

@@ -164,6 +164,6 @@ def test_lens_script_table_ends_with_the_model_prediction(tiny_path, tiny):
     rows = r.stdout.splitlines()
     assert rows[0].startswith("layer |") and len(rows) == 1 + tiny.config.n_layers
     logits = tiny.logits(tiny.tokenizer.encode("hello world"))[-1]
-    top = tiny.tokenizer.decode([int(logits.argmax())]).replace("\n", "\\n")[:10]
+    top = tiny.tokenizer.decode([int(logits.argmax())]).replace(" ", "␣").replace("\n", "\\n").replace("\t", "\\t")[:10]
     p = ops.softmax(logits.astype(np.float64)).max()
     assert rows[-1].rstrip().endswith(f"{top} {p:.2f}")                # the last layer, last position
