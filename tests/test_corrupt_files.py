@@ -83,6 +83,22 @@ def test_gguf_bad_tensor_index_is_one_line(tmp_path, field, value, message):
     assert message in str(one_line_error(path))
 
 
+@pytest.mark.parametrize("cut", ["length", "text", "huge length"])
+def test_gguf_vocab_cut_short_is_one_line(tmp_path, cut):
+    """The vocab's strings are read in one fast loop (gguf._Cursor.strings): a file that ends inside one, or a
+    length past the end, still gives the truncation message."""
+    path = tmp_path / "bad.gguf"
+    tiny_llama(path)
+    data = bytearray(path.read_bytes())
+    at = data.index(struct.pack("<Q", len(b"<|endoftext|>")) + b"<|endoftext|>")  # a token of the vocab array
+    if cut == "huge length":
+        struct.pack_into("<Q", data, at, 2**63)
+    else:
+        del data[at + (4 if cut == "length" else 10):]
+    path.write_bytes(bytes(data))
+    assert "truncated in the metadata" in str(one_line_error(path))
+
+
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
 def test_non_finite_weight_is_refused_with_its_name(tmp_path, value):
     path = tmp_path / "nan.gguf"

@@ -249,9 +249,9 @@ def signatures():
 for quant in (None, "int8", "int8-block", "q4_1"):
     model = random_model("llama", context_length=64, dim=64, ffn_dim=64, quant=quant)   # warms up its kernels
     pool = paged.PagedKVCache(model.config, block_size=4, num_blocks=64)   # warms up the batched paged kernel
-    before = signatures()
     for activations in ("float32", "int8") if quant else ("float32",):
-        model.activations = activations
+        model.activations = activations                             # warms up this setting's kernels
+        before = signatures()
         cache = model.new_cache(64)
         model.prefill([1, 2, 3, 4, 5], cache)                       # several rows: strided q/k views
         model.decode_step(6, cache)
@@ -263,9 +263,32 @@ for quant in (None, "int8", "int8-block", "q4_1"):
         model.forward_batch([list(range(1, 10))] * 2, [None, None]) # tiled linears
         model.logits(list(range(1, 21)))                            # more query rows than decode_attention takes
         model.prefill(list(range(1, 21)), model.new_cache(64))
-    new = signatures() - before
-    assert not new, (quant, new)
+        new = signatures() - before
+        assert not new, (quant, activations, new)
 """
+
+
+FIRST_RUN_CHECK = """
+import numpy as np
+from numba.core.registry import CPUDispatcher
+from test_model import random_model
+from tinyllm.kernels import linear_kernels
+
+model = random_model("llama", context_length=64, dim=64, ffn_dim=64, quant="q4_1")
+compiled = {name for name, f in vars(linear_kernels).items() if isinstance(f, CPUDispatcher) and f.signatures}
+assert "linear_q4" in compiled and "linear_q4_a8" not in compiled and "linear_int8_a8" not in compiled, compiled
+"""
+
+
+def test_a_model_compiles_only_its_own_kernels():
+    """A q4_1 model with float activations warms the 4-bit float kernels (and its 8-bit head's), not the integer
+    kernels of int8 activations: a first run compiles only what it will use."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    r = subprocess.run([sys.executable, "-c", FIRST_RUN_CHECK], cwd=Path(__file__).parent, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
 
 
 def test_warmup_leaves_nothing_to_compile_mid_request():

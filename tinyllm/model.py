@@ -105,12 +105,19 @@ class Transformer:
             raise ValueError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
         if name == "numba":
             from . import kernels           # (imports numba: only models that use it pay for that)
-            # compile (or load from numba's on-disk cache) what this model needs: not part of any step
-            self.jit_s = kernels.warmup({type(w) for w in self._matrices()})
             self.ops = kernels              # the same function names as ops.py, hot ones as Numba kernels
         else:
             self.ops = ops
         self._backend = name
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compile (or load from numba's on-disk cache) the kernels this model's formats and activations setting
+        need, so that no step pays for it."""
+        if self._backend == "numba":
+            blocks = {type(w) for layer in self.layers for w in (layer.wqkv, layer.wo, layer.w_in, layer.w_out)}
+            self.jit_s += self.ops.warmup({type(w) for w in self._matrices()},
+                                          blocks if self._has_fusable_blocks else (), self._int8_inputs)
 
     @property
     def activations(self) -> str:
@@ -127,6 +134,8 @@ class Transformer:
                              "'q4_1' or 'native'")
         self._activations = name
         self._int8_inputs = name == "int8"  # what every linear of the forward pass is told
+        if hasattr(self, "_backend"):       # (set after this in __init__)
+            self._warm_up()
 
     # --- the three public ways in ----------------------------------------------------------------------------
     def logits(self, ids, trace=None) -> np.ndarray:
@@ -252,7 +261,12 @@ class Transformer:
         """Can this pass run each block as one call: one sequence on a contiguous cache, through Llama blocks
         without attention biases (the row count is the ops' to judge: FUSED_ROWS)?"""
         return (self.fused_decode and len(segments) == 1 and type(segments[0].cache) is ContiguousKVCache
-                and self.config.arch == "llama" and not self.config.attn_bias)
+                and self._has_fusable_blocks)
+
+    @property
+    def _has_fusable_blocks(self) -> bool:
+        """Llama blocks without attention biases: what block.py's one-call block computes."""
+        return self.config.arch == "llama" and not self.config.attn_bias
 
     def _fused_decode_blocks(self, o, x, segment: Segment) -> None:
         """The fast twin of the `_block` loop for a few new tokens: each layer is one call of o.decode_block,

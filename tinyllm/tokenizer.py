@@ -24,6 +24,7 @@ these models; llama.cpp does not, nor does tinyllm), byte fallback, BPE dropout;
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import json
 from itertools import chain
@@ -75,11 +76,30 @@ def _byte_level_decoder() -> dict[str, int]:
 
 def _byte_level_to_bytes(token: str, char_to_byte: Mapping[str, int]) -> bytes:
     """'Ġthe' -> b' the'. ValueError if `token` has a character outside GPT-2's table (not a byte-level vocab)."""
+    as_bytes = _byte_level_bytes_or_none(token)
+    if as_bytes is None:
+        outside = next(char for char in token if char not in char_to_byte)
+        raise ValueError(f"token {token!r} has the character {outside!r}, which is not in GPT-2's byte-level "
+                         f"alphabet: this vocab is not byte-level BPE")
+    return as_bytes
+
+
+def _byte_level_bytes_or_none(token: str) -> bytes | None:
+    """'Ġthe' -> b' the', or None if `token` is not byte-level text."""
     try:
-        return bytes(char_to_byte[char] for char in token)
-    except KeyError as e:
-        raise ValueError(f"token {token!r} has the character {e.args[0]!r}, which is not in GPT-2's byte-level "
-                         f"alphabet: this vocab is not byte-level BPE") from None
+        return token.translate(_byte_level_table()).encode("latin-1")
+    except UnicodeEncodeError:
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_table() -> dict[int, str]:
+    """A str.translate table from GPT-2's alphabet to the latin-1 character of each byte (so a whole token converts
+    in C, not char by char: a vocab has 50,000 of them). Characters below 256 that are not in the alphabet map to
+    U+FFFF, so the latin-1 encoding fails exactly when a token is not byte-level text."""
+    table = {code: "\uffff" for code in range(256)}
+    table.update({ord(char): chr(byte) for byte, char in enumerate(byte_level_alphabet())})
+    return table
 
 
 # --- the BPE core (shared with bpe_train.py) ---------------------------------------------------------------
@@ -186,11 +206,14 @@ class Tokenizer:
 
         self._ranks: dict[tuple[int, int], int] = {}    # (left, right) -> rank (0 = merged first)
         self._merged: dict[tuple[int, int], int] = {}   # (left, right) -> id of the merged token
-        for rank, (left, right, new) in enumerate(merges):
-            if not all(0 <= t < vocab_size for t in (left, right, new)):
-                raise ValueError(f"merge {rank} ({left}, {right}) -> {new} uses an id outside the vocab")
-            self._ranks.setdefault((left, right), rank)
-            self._merged.setdefault((left, right), new)
+        merges = list(merges)
+        pairs = [(left, right) for left, right, _ in merges]
+        # reversed, so that the first merge of a pair (if it repeats) is the one kept
+        self._ranks.update(zip(reversed(pairs), range(len(pairs) - 1, -1, -1)))
+        self._merged.update(zip(reversed(pairs), (new for *_, new in reversed(merges))))
+        if merges and not 0 <= min(map(min, merges)) <= max(map(max, merges)) < vocab_size:   # (one check, in C)
+            rank = next(r for r, m in enumerate(merges) if not 0 <= min(m) <= max(m) < vocab_size)
+            raise ValueError(f"merge {rank} {merges[rank]} (left, right -> merged) uses an id outside the vocab")
 
         # One regex for all added tokens, one for the user-defined ones alone (allow_special=False).
         self._added_re = _alternation(self._added)
@@ -210,7 +233,7 @@ class Tokenizer:
                     return default
                 raise ValueError(f"GGUF metadata has no {key!r}: the file carries no (complete) tokenizer")
             value = metadata[key]
-            if not (type(value) is kind and (of is None or all(type(v) is of for v in value))):
+            if not (type(value) is kind and (of is None or set(map(type, value)) <= {of})):
                 want = f"a list of {of.__name__}" if of else kind.__name__
                 raise ValueError(f"GGUF metadata {key!r} is not {want} (file corrupt?)")
             return value
@@ -237,15 +260,15 @@ class Tokenizer:
                 added[token] = token_id
                 if token_type == TOKEN_TYPE_CONTROL:
                     special.append(token_id)
-            elif char_to_byte.keys() >= set(token):
-                token_bytes.append(_byte_level_to_bytes(token, char_to_byte))
+            elif (as_bytes := _byte_level_bytes_or_none(token)) is not None:
+                token_bytes.append(as_bytes)
             else:
                 # Not byte-level text (Command R has 1,403 such emoji and symbols): BPE over bytes can never build
                 # it, so it is unreachable by encode; decode gives its text, as HF's ByteLevel decoder does.
                 token_bytes.append(token.encode("utf-8"))
                 plain_text.add(token_id)
         vocab = {token: token_id for token_id, token in enumerate(tokens)}
-        merges = _merge_ids((m.split(" ") for m in get("tokenizer.ggml.merges", list, of=str)), vocab)
+        merges = _merge_ids(_split_merges(get("tokenizer.ggml.merges", list, of=str)), vocab)
         merged_plain_text = plain_text.intersection(chain.from_iterable(merges))
         if merged_plain_text:   # byte-level merges only ever join byte-level tokens: this is another scheme
             _byte_level_to_bytes(tokens[min(merged_plain_text)], char_to_byte)   # raises, naming the character
@@ -286,7 +309,8 @@ class Tokenizer:
         token_bytes = [text.encode("utf-8") if token_id in special or text in added
                        else _byte_level_to_bytes(text, char_to_byte)
                        for token_id, text in sorted(id_to_text.items())]
-        merges = _merge_ids((m.split(" ") if isinstance(m, str) else m for m in model["merges"]), vocab)
+        merges = model["merges"]
+        merges = _merge_ids(_split_merges(merges) if all(isinstance(m, str) for m in merges) else merges, vocab)
 
         config_path = path.with_name("tokenizer_config.json")
         config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.exists() else {}
@@ -501,8 +525,24 @@ def _check_text(text: Any) -> None:
                          f"text.encode('utf-8', 'replace').decode('utf-8')") from None
 
 
+def _split_merges(merges: list[str]) -> list[Sequence[str]]:
+    """["Ġ t", ...] -> [("Ġ", "t"), ...]: one split of them all joined (50,000 splits cost a load 25 ms)."""
+    if all(m.count(" ") == 1 for m in merges):
+        parts = " ".join(merges).split(" ")
+        return list(zip(parts[0::2], parts[1::2]))
+    return [m.split(" ") for m in merges]                          # _merge_ids names the one that is not a pair
+
+
 def _merge_ids(merges: Iterable[Sequence[str]], vocab: Mapping[str, int]) -> list[tuple[int, int, int]]:
     """Merges as token text pairs ("Ġ", "t") -> (left_id, right_id, merged_id), via the vocab (text -> id)."""
+    merges = list(merges)
+    if all(len(pair) == 2 for pair in merges):                    # the usual case, looked up at C speed
+        lefts, rights = zip(*merges) if merges else ((), ())
+        try:
+            return list(zip(map(vocab.__getitem__, lefts), map(vocab.__getitem__, rights),
+                            map(vocab.__getitem__, map(str.__add__, lefts, rights))))
+        except KeyError:
+            pass                                                  # the loop below names the merge
     out = []
     for rank, pair in enumerate(merges):
         if len(pair) != 2:

@@ -68,7 +68,10 @@ def decode_attention(q, k, v, start, out):
                     p = scores[t, h, s - s0]
                     for j in range(Dh):
                         acc[t, h, j] += p * v[s, kvh, j]
-        chunk_out[c] = acc
+        for t in range(T):                                       # (element by element: a slice assignment
+            for h in range(H):                                   # compiles a shape check with a formatted
+                for j in range(Dh):                              # error message, seconds of the first run)
+                    chunk_out[c, t, h, j] = acc[t, h, j]
     for t in range(T):                                           # merge the chunks of each token and head
         for h in range(H):
             m = chunk_max[0, t, h]
@@ -154,4 +157,6 @@ def _paged_attend_one(q, k_blocks, v_blocks, table, S, out):
             p = scores[h, s]
             for j in range(Dh):
                 acc_out[h, j] += p * v_blocks[blk, r, h // G, j]
-    out[:] = acc_out
+    for h in range(H):
+        for j in range(Dh):
+            out[h, j] = acc_out[h, j]

@@ -8,7 +8,7 @@ logits and the cache are bit for bit those of the op-by-op path (tests/test_mode
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import literally, njit
 
 from . import intdot
 from .attention_kernels import decode_attention
@@ -31,6 +31,7 @@ def decode_block(x, layer, k_cache, v_cache, start: int, cos, sin, n_heads: int,
 @njit(**SERIAL)
 def _decode_block(x, attn_norm, ffn_norm, wqkv, wo, w_in, w_out, int8_inputs, vnni, k_cache, v_cache, pos, cos,
                   sin, n_heads, eps):
+    literally(int8_inputs)          # one compiled block per activations setting: a first run compiles only its own
     T, D = x.shape
     KVH, Dh = k_cache.shape[1], k_cache.shape[2]
     H, half = n_heads, Dh // 2

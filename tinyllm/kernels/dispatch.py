@@ -42,7 +42,7 @@ def linear_into(w, x, out, int8_inputs: bool, vnni: bool) -> None:
         (few if x.shape[0] < TILE_MIN_ROWS else many)(w, round_rows(x) if int8_inputs and len(w) > 1 else x, out)
 
 
-@overload(linear_into, jit_options=dict(fastmath=True, nogil=True))
+@overload(linear_into, jit_options=dict(fastmath=True, nogil=True), prefer_literal=True)
 def _linear_into_typed(w, x, out, int8_inputs, vnni):
     if len(w.types) == 3:                                                # 4-bit: one kernel for any M
         few, many, integer = linear_q4, linear_q4, linear_q4_a8
@@ -62,7 +62,15 @@ def _linear_into_typed(w, x, out, int8_inputs, vnni):
             few(w, x, out)
         else:
             many(w, round_rows(x) if int8_inputs else x, out)
-    return floats if len(w.types) == 1 else quantized
+    def rounded(w, x, out, int8_inputs, vnni):                           # int8_inputs known to be True
+        if x.shape[0] < TILE_MIN_ROWS:
+            integer(w, x, out, vnni)
+        else:
+            many(w, round_rows(x), out)
+    setting = getattr(int8_inputs, "literal_value", None)               # known when the caller compiles
+    if len(w.types) == 1 or setting is False:
+        return floats
+    return rounded if setting else quantized
 
 
 def linear(x: np.ndarray, w, b: np.ndarray | None = None, int8_inputs: bool = False) -> np.ndarray:

@@ -6,17 +6,22 @@ at load time (a new array layout mid-request would mean a compile in the middle 
 """
 from __future__ import annotations
 
+import sys
+import threading
 import time
+from contextlib import contextmanager
 
 import numpy as np
 
 from ..quant import BLOCK, Int8Block, Int8Channel, Q4Block, quantize
+from . import intdot
 from .block import _decode_block
 from .dispatch import FEW_TOKENS, FUSED_ROWS, attention, linear, paged_attention, swiglu
 from .linear_kernels import TILE_MIN_ROWS, weight_arrays
 from .pointwise import apply_rope, rmsnorm
 
 FORMATS = {np.ndarray: None, Int8Channel: "int8", Int8Block: "int8-block", Q4Block: "q4_1"}
+NOTICE_AFTER_S = 1.0    # loading every kernel from the cache takes well under this; compiling takes seconds
 _done: set = set()
 
 
@@ -26,40 +31,67 @@ def _matrix(fmt: str | None, rows: int):
     return w if fmt is None else quantize(w, fmt)
 
 
-def _warm_decode_block(fmt: str | None) -> None:
+def _warm_decode_block(fmt: str | None, int8_inputs: bool) -> None:
     H, KVH, Dh = 2, 1, BLOCK // 2                                   # so every matrix is [*, 32]: one block wide
     x, norm, trig = np.ones((1, BLOCK), np.float32), np.ones(BLOCK, np.float32), np.ones((1, Dh // 2), np.float32)
     kv = np.zeros((4, KVH, Dh), np.float32)                         # [S_max, KVH, Dh]
     mats = [weight_arrays(_matrix(fmt, rows)) for rows in ((H + 2 * KVH) * Dh, BLOCK, 2 * BLOCK, BLOCK)]
-    _decode_block(x, norm, norm, *mats, False, False, kv, kv, 0, trig, trig, H, 1e-5)
+    _decode_block(x, norm, norm, *mats, int8_inputs, intdot.USE_VNNI, kv, kv, 0, trig, trig, H, 1e-5)
 
 
-def warmup(weight_types=tuple(FORMATS)) -> float:
-    """Compile (or load from Numba's cache) what a model holding these weight classes needs. -> seconds it took."""
+def warmup(weight_types=tuple(FORMATS), block_types=(), int8_inputs: bool = False) -> float:
+    """Compile (or load from Numba's cache) what a model needs: the linears of each weight class in `weight_types`
+    for its activations setting (int8_inputs), the fused block for the classes of its blocks' matrices
+    (`block_types`; none for a model that does not fuse), attention and the small ops. Nothing else: a first run
+    compiles only its own format. -> seconds it took."""
     t0 = time.perf_counter()
-    x = np.ones((1, BLOCK), dtype=np.float32)
-    for t in weight_types:
-        if t in _done:
-            continue
-        fmt = FORMATS[t]
-        for int8_inputs in (False, True) if fmt else (False,):      # either activations setting
-            for rows in (1, TILE_MIN_ROWS):                         # the one-row and the tiled kernels
-                linear(np.ones((rows, BLOCK), np.float32), _matrix(fmt, 2), int8_inputs=int8_inputs)
-        if FUSED_ROWS:
-            _warm_decode_block(fmt)
-        _done.add(t)
-    if "ops" not in _done:
-        for T in (2, FEW_TOKENS + 1):                               # decode_attention, then causal_attention
-            kv = np.ones((T + 1, 1, 4), dtype=np.float32)
-            attention(np.ones((T, 2, 4), np.float32), kv, kv, 1)
-        rmsnorm(x, x[0], 1e-5)
-        for T in (1, 2):            # q and k are views of the qkv rows: contiguous for one row, strided for more
-            qkv = np.ones((T, 16), dtype=np.float32)
-            apply_rope(qkv[:, :8].reshape(T, 2, 4), np.ones((T, 2), np.float32), np.ones((T, 2), np.float32))
-        swiglu(np.ones((1, 4), np.float32))
-        swiglu(np.ones((4, 4), np.float32))                        # the parallel form, for batches
-        _done.add("ops")
+    with compile_notice(t0):
+        for t in weight_types:
+            fmt = FORMATS[t]
+            a8 = int8_inputs and fmt is not None                     # int8 activations meet quantized weights only
+            if (t, a8) not in _done:
+                for rows in (1, TILE_MIN_ROWS):                      # the one-row and the tiled kernels
+                    linear(np.ones((rows, BLOCK), np.float32), _matrix(fmt, 2), int8_inputs=a8)
+                _done.add((t, a8))
+        for t in block_types:
+            a8 = int8_inputs and FORMATS[t] is not None
+            if FUSED_ROWS and (t, a8, "block") not in _done:
+                _warm_decode_block(FORMATS[t], a8)
+                _done.add((t, a8, "block"))
+        if "ops" not in _done:
+            x = np.ones((1, BLOCK), dtype=np.float32)
+            for T in (2, FEW_TOKENS + 1):                           # decode_attention, then causal_attention
+                kv = np.ones((T + 1, 1, 4), dtype=np.float32)
+                attention(np.ones((T, 2, 4), np.float32), kv, kv, 1)
+            rmsnorm(x, x[0], 1e-5)
+            for T in (1, 2):        # q and k are views of the qkv rows: contiguous for one row, strided for more
+                qkv = np.ones((T, 16), dtype=np.float32)
+                apply_rope(qkv[:, :8].reshape(T, 2, 4), np.ones((T, 2), np.float32), np.ones((T, 2), np.float32))
+            swiglu(np.ones((1, 4), np.float32))
+            swiglu(np.ones((4, 4), np.float32))                    # the parallel form, for batches
+            _done.add("ops")
     return time.perf_counter() - t0
+
+
+@contextmanager
+def compile_notice(t0: float, after: float = NOTICE_AFTER_S):
+    """Say on stderr that kernels are being compiled when loading them takes longer than `after` seconds (a first
+    run: the cache is empty or stale), and how long it took at the end. A warm start prints nothing."""
+    shown = threading.Event()
+
+    def notice():
+        shown.set()
+        print("tinyllm: compiling the Numba kernels for this model (first run only; they are cached on disk) ...",
+              file=sys.stderr, flush=True)
+    timer = threading.Timer(after, notice)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        if shown.is_set():
+            print(f"tinyllm: kernels compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
 
 
 def warmup_paged() -> float:
@@ -69,6 +101,8 @@ def warmup_paged() -> float:
         return 0.0
     t0 = time.perf_counter()
     blocks = np.ones((2, 2, 1, 4), dtype=np.float32)                # [NB, BS, KVH, Dh]
-    paged_attention(np.ones((2, 2, 4), np.float32), blocks, blocks, np.zeros((2, 1), np.int32), np.ones(2, np.int32))
+    with compile_notice(t0):
+        paged_attention(np.ones((2, 2, 4), np.float32), blocks, blocks, np.zeros((2, 1), np.int32),
+                        np.ones(2, np.int32))
     _done.add("paged")
     return time.perf_counter() - t0
