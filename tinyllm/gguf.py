@@ -216,6 +216,15 @@ class GGUFFile:
         info = self._info(name)
         return dequantize(self.raw(name), info.type_name, info.shape)
 
+    def release(self, name: str) -> None:
+        """Drop the tensor's pages of the file from this process's memory (once its data has been copied out): a
+        load then never holds the whole file and the whole model at once. Reading the tensor again re-reads them."""
+        info = self._info(name)
+        start = -(-info.offset // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = info.offset + info.nbytes - (info.offset + info.nbytes) % mmap.PAGESIZE   # whole pages inside only
+        if end > start and hasattr(self._mmap, "madvise"):
+            self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def _info(self, name: str) -> TensorInfo:
         if name not in self.tensors:
             raise GGUFError(f"{self.path}: no tensor named {name!r} in this file")
@@ -243,15 +252,17 @@ def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.nd
     if type_name == "BF16":  # bf16 is the top half of an fp32: shift it back into place
         return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
 
+    # Each value is written straight into the output, so a load holds no temporary copy of a tensor.
     block_bytes = GGML_TYPES[{"Q8_0": 8, "Q4_0": 2, "Q4_1": 3}[type_name]][2]
     blocks = raw.reshape(-1, block_bytes)                           # [n_blocks, block_bytes]
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)   # [n_blocks, 1] scale
+    out = np.empty((blocks.shape[0], QK), dtype=np.float32)         # [n_blocks, 32]
     if type_name == "Q8_0":
-        q = blocks[:, 2:].view(np.int8).astype(np.float32)          # [n_blocks, 32]
-        return (q * d).reshape(shape)
+        np.multiply(blocks[:, 2:].view(np.int8), d, out=out)
+        return out.reshape(shape)
     nibbles = blocks[:, -16:]                                       # [n_blocks, 16]
-    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=1)      # [n_blocks, 32] values 0..15
-    if type_name == "Q4_0":
-        return (d * (q.astype(np.int8) - 8).astype(np.float32)).reshape(shape)
-    m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)   # [n_blocks, 1] minimum
-    return (d * q.astype(np.float32) + m).reshape(shape)
+    np.multiply(nibbles & 0x0F, d, out=out[:, :16])                 # values 0..15 times the scale
+    np.multiply(nibbles >> 4, d, out=out[:, 16:])
+    # Q4_0 centres its values on 8, Q4_1 adds a stored minimum
+    out += -8 * d if type_name == "Q4_0" else blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    return out.reshape(shape)

@@ -19,20 +19,10 @@ from . import ops
 from .config import ModelConfig
 from .kv_cache import ContiguousKVCache, Segment, attention_groups
 from .quant import QuantizedWeight
+from .weights import FUSED, fuse_rows
 
 BACKENDS = ("numba", "numpy")
 ACTIVATIONS = ("float32", "int8")
-
-
-def fuse_rows(parts):
-    """Stack [O_i, I] matrices into one [sum O_i, I] (float arrays or quantized weights of one type)."""
-    if parts[0] is None:
-        return None
-    if isinstance(parts[0], QuantizedWeight):
-        if len({type(p) for p in parts}) > 1:
-            raise ValueError(f"cannot fuse weights of mixed formats {[type(p).__name__ for p in parts]}")
-        return type(parts[0]).concat_rows(parts)
-    return np.concatenate(parts)
 
 
 @dataclass
@@ -81,13 +71,18 @@ class Transformer:
         self.layers = []
         for i in range(c.n_layers):
             w = lambda name: weights.get(f"layers.{i}.{name}")     # noqa: E731
-            fuse = lambda *names: fuse_rows([w(n) for n in names])  # noqa: E731
+
+            def fuse(fused):    # the loaders hand them over fused (weights.fuse_layer_matrices); other dicts here
+                if w(fused) is not None:
+                    return w(fused)
+                parts = [w(name) for name in FUSED[fused]]
+                return None if parts[0] is None else fuse_rows(parts)
             self.layers.append(LayerWeights(
                 attn_norm=w("attn_norm"), attn_norm_b=w("attn_norm_b"),
-                wqkv=fuse("wq", "wk", "wv"), bqkv=fuse("bq", "bk", "bv"),
+                wqkv=fuse("wqkv"), bqkv=fuse("bqkv"),
                 wo=w("wo"), bo=w("bo"),
                 ffn_norm=w("ffn_norm"), ffn_norm_b=w("ffn_norm_b"),
-                w_in=fuse("w_gate", "w_up") if c.arch == "llama" else w("w_fc"), b_in=w("b_fc"),
+                w_in=fuse("w_in") if c.arch == "llama" else w("w_fc"), b_in=w("b_fc"),
                 w_out=w("w_down") if c.arch == "llama" else w("w_proj"), b_out=w("b_proj"),
             ))
         if c.arch == "llama":  # one table of rotation angles for every position the model supports

@@ -66,7 +66,30 @@ def load_checkpoint(path: str | Path, quant: str | None = None, head_quant: str 
         raise CheckpointError(f"{path}: not a .gguf file or a Hugging Face model directory")
     check_finite(weights, str(path))
     weights, report = quantize_weights(weights, quant, head_quant)
-    return config, weights, tokenizer, report
+    return config, fuse_layer_matrices(weights, config.n_layers), tokenizer, report
+
+
+FUSED = {"wqkv": ("wq", "wk", "wv"), "bqkv": ("bq", "bk", "bv"), "w_in": ("w_gate", "w_up")}
+
+
+def fuse_layer_matrices(weights: dict, n_layers: int) -> dict:
+    """Replace each layer's q, k, v (and gate, up) matrices by their rows stacked into one (one matmul each), in
+    place, a layer at a time: the parts are dropped as each fused copy is made, so a load holds one copy."""
+    for i in range(n_layers):
+        for fused, parts in FUSED.items():
+            names = [f"layers.{i}.{part}" for part in parts]
+            if all(name in weights for name in names):
+                weights[f"layers.{i}.{fused}"] = fuse_rows([weights.pop(name) for name in names])
+    return weights
+
+
+def fuse_rows(parts: list):
+    """Stack [O_i, I] matrices into one [sum O_i, I] (float arrays or quantized weights of one type)."""
+    if isinstance(parts[0], QuantizedWeight):
+        if len({type(p) for p in parts}) > 1:
+            raise ValueError(f"cannot fuse weights of mixed formats {[type(p).__name__ for p in parts]}")
+        return type(parts[0]).concat_rows(parts)
+    return np.concatenate(parts)
 
 
 def check_head_quant(quant: str | None, head_quant: str | None) -> None:
@@ -231,6 +254,7 @@ def load_gguf(path: str | Path, quant: str | None = None) -> tuple[ModelConfig, 
                     weights[canonical.format(i=i)] = from_gguf_block(gg.raw(name), info.type_name, info.shape)
                 else:
                     weights[canonical.format(i=i)] = gg.tensor(name)
+                gg.release(name)                            # its bytes are copied out: free the file's pages
             except GGUFError as e:
                 raise CheckpointError(f"{gg.path}: tensor {name!r}: {e}") from None
     check_shapes(config, weights, str(gg.path))      # first: the un-permutation needs the shapes it expects

@@ -8,7 +8,7 @@ logits and the cache are bit for bit those of the op-by-op path (tests/test_mode
 from __future__ import annotations
 
 import numpy as np
-from numba import literally, njit
+from numba import njit
 
 from . import intdot
 from .attention_kernels import decode_attention
@@ -23,55 +23,60 @@ def decode_block(x, layer, k_cache, v_cache, start: int, cos, sin, n_heads: int,
     """One Llama block (model.LayerWeights `layer`) for the T <= FUSED_ROWS new tokens x [T, D] at positions
     start .. start+T-1, updating x in place and writing their K and V into this layer's cache k_cache, v_cache
     [S_max, KVH, Dh]. cos, sin [T, Dh/2]: the rotations of their positions. int8_inputs: the activations setting."""
-    _decode_block(x, layer.attn_norm, layer.ffn_norm, weight_arrays(layer.wqkv), weight_arrays(layer.wo),
-                  weight_arrays(layer.w_in), weight_arrays(layer.w_out), int8_inputs, intdot.USE_VNNI,
-                  k_cache, v_cache, start, cos, sin, n_heads, eps)
+    BLOCKS[int8_inputs](x, layer.attn_norm, layer.ffn_norm, weight_arrays(layer.wqkv), weight_arrays(layer.wo),
+                        weight_arrays(layer.w_in), weight_arrays(layer.w_out), intdot.USE_VNNI, k_cache, v_cache,
+                        start, cos, sin, n_heads, eps)
 
 
-@njit(**SERIAL)
-def _decode_block(x, attn_norm, ffn_norm, wqkv, wo, w_in, w_out, int8_inputs, vnni, k_cache, v_cache, pos, cos,
-                  sin, n_heads, eps):
-    literally(int8_inputs)          # one compiled block per activations setting: a first run compiles only its own
-    T, D = x.shape
-    KVH, Dh = k_cache.shape[1], k_cache.shape[2]
-    H, half = n_heads, Dh // 2
-    h = np.empty((T, D), np.float32)                            # [T, D] normed x
-    delta = np.empty((T, D), np.float32)                        # [T, D] what a sub-block adds to x
+def _compile_block(int8_inputs: bool):
+    """The block for one activations setting. int8_inputs is a constant of the compiled code, so that the linears
+    compile only that setting's kernels (a first run then compiles only what it uses)."""
+    @njit(**SERIAL)
+    def block(x, attn_norm, ffn_norm, wqkv, wo, w_in, w_out, vnni, k_cache, v_cache, pos, cos, sin, n_heads, eps):
+        T, D = x.shape
+        KVH, Dh = k_cache.shape[1], k_cache.shape[2]
+        H, half = n_heads, Dh // 2
+        h = np.empty((T, D), np.float32)                            # [T, D] normed x
+        delta = np.empty((T, D), np.float32)                        # [T, D] what a sub-block adds to x
 
-    # attention
-    rmsnorm_into(x, attn_norm, eps, h)
-    qkv = np.empty((T, (H + 2 * KVH) * Dh), np.float32)         # [T, (H + 2*KVH) * Dh]
-    linear_into(wqkv, h, qkv, int8_inputs, vnni)
-    q = np.empty((T, H, Dh), np.float32)                        # [T, H, Dh]
-    for t in range(T):
-        for head in range(H + KVH):                             # rotate q and k (half-split pairs, ops.apply_rope)
-            for i in range(half):
-                a, b = qkv[t, head * Dh + i], qkv[t, head * Dh + half + i]
-                ra, rb = a * cos[t, i] - b * sin[t, i], b * cos[t, i] + a * sin[t, i]
-                if head < H:
-                    q[t, head, i], q[t, head, half + i] = ra, rb
-                else:                                           # k goes straight into the cache at pos + t
-                    k_cache[pos + t, head - H, i], k_cache[pos + t, head - H, half + i] = ra, rb
-        for kvh in range(KVH):
-            for j in range(Dh):
-                v_cache[pos + t, kvh, j] = qkv[t, (H + KVH + kvh) * Dh + j]
-    att = np.empty((T, H, Dh), np.float32)                      # [T, H, Dh]
-    decode_attention(q, k_cache[:pos + T], v_cache[:pos + T], pos, att)
-    linear_into(wo, att.reshape(T, H * Dh), delta, int8_inputs, vnni)
-    for t in range(T):
-        for i in range(D):
-            x[t, i] += delta[t, i]
+        # attention
+        rmsnorm_into(x, attn_norm, eps, h)
+        qkv = np.empty((T, (H + 2 * KVH) * Dh), np.float32)         # [T, (H + 2*KVH) * Dh]
+        linear_into(wqkv, h, qkv, int8_inputs, vnni)
+        q = np.empty((T, H, Dh), np.float32)                        # [T, H, Dh]
+        for t in range(T):
+            for head in range(H + KVH):                             # rotate q and k (half-split pairs, ops.apply_rope)
+                for i in range(half):
+                    a, b = qkv[t, head * Dh + i], qkv[t, head * Dh + half + i]
+                    ra, rb = a * cos[t, i] - b * sin[t, i], b * cos[t, i] + a * sin[t, i]
+                    if head < H:
+                        q[t, head, i], q[t, head, half + i] = ra, rb
+                    else:                                           # k goes straight into the cache at pos + t
+                        k_cache[pos + t, head - H, i], k_cache[pos + t, head - H, half + i] = ra, rb
+            for kvh in range(KVH):
+                for j in range(Dh):
+                    v_cache[pos + t, kvh, j] = qkv[t, (H + KVH + kvh) * Dh + j]
+        att = np.empty((T, H, Dh), np.float32)                      # [T, H, Dh]
+        decode_attention(q, k_cache[:pos + T], v_cache[:pos + T], pos, att)
+        linear_into(wo, att.reshape(T, H * Dh), delta, int8_inputs, vnni)
+        for t in range(T):
+            for i in range(D):
+                x[t, i] += delta[t, i]
 
-    # feed-forward
-    rmsnorm_into(x, ffn_norm, eps, h)
-    gate_up = np.empty((T, w_in[0].shape[0]), np.float32)       # [T, 2F]
-    linear_into(w_in, h, gate_up, int8_inputs, vnni)
-    act = np.empty((T, gate_up.shape[1] // 2), np.float32)     # [T, F]
-    if T >= 4:                                                  # as dispatch.swiglu chooses
-        swiglu_rows_into(gate_up, act)
-    else:
-        swiglu_into(gate_up, act)
-    linear_into(w_out, act, delta, int8_inputs, vnni)
-    for t in range(T):
-        for i in range(D):
-            x[t, i] += delta[t, i]
+        # feed-forward
+        rmsnorm_into(x, ffn_norm, eps, h)
+        gate_up = np.empty((T, w_in[0].shape[0]), np.float32)       # [T, 2F]
+        linear_into(w_in, h, gate_up, int8_inputs, vnni)
+        act = np.empty((T, gate_up.shape[1] // 2), np.float32)     # [T, F]
+        if T >= 4:                                                  # as dispatch.swiglu chooses
+            swiglu_rows_into(gate_up, act)
+        else:
+            swiglu_into(gate_up, act)
+        linear_into(w_out, act, delta, int8_inputs, vnni)
+        for t in range(T):
+            for i in range(D):
+                x[t, i] += delta[t, i]
+    return block
+
+
+BLOCKS = {False: _compile_block(False), True: _compile_block(True)}     # by activations setting

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..quant import BLOCK, Int8Block, Int8Channel, Q4Block, quantize
 from . import intdot
-from .block import _decode_block
+from .block import BLOCKS
 from .dispatch import FEW_TOKENS, FUSED_ROWS, attention, linear, paged_attention, swiglu
 from .linear_kernels import TILE_MIN_ROWS, weight_arrays
 from .pointwise import apply_rope, rmsnorm
@@ -36,7 +36,7 @@ def _warm_decode_block(fmt: str | None, int8_inputs: bool) -> None:
     x, norm, trig = np.ones((1, BLOCK), np.float32), np.ones(BLOCK, np.float32), np.ones((1, Dh // 2), np.float32)
     kv = np.zeros((4, KVH, Dh), np.float32)                         # [S_max, KVH, Dh]
     mats = [weight_arrays(_matrix(fmt, rows)) for rows in ((H + 2 * KVH) * Dh, BLOCK, 2 * BLOCK, BLOCK)]
-    _decode_block(x, norm, norm, *mats, int8_inputs, intdot.USE_VNNI, kv, kv, 0, trig, trig, H, 1e-5)
+    BLOCKS[int8_inputs](x, norm, norm, *mats, intdot.USE_VNNI, kv, kv, 0, trig, trig, H, 1e-5)
 
 
 def warmup(weight_types=tuple(FORMATS), block_types=(), int8_inputs: bool = False) -> float:
