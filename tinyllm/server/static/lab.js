@@ -413,7 +413,8 @@ function requestCard(r) {
                                style: `width:${(100 * r.output_tokens) / (r.prompt_tokens + r.max_tokens)}%` }));
   card.appendChild(bar);
   card.appendChild(el("div", { class: "card-text" },
-    `prompt ${r.prompt_tokens} (computed ${Math.min(r.computed, total)}) · output ${r.output_tokens}/${r.max_tokens}` +
+    `prompt ${r.prompt_tokens} · output ${r.output_tokens}/${r.max_tokens} · KV of ${Math.min(r.computed, total)} ` +
+    `positions` +
     `${r.text ? ` · “…${r.text.slice(-40)}”` : ""}`));
   return card;
 }
@@ -500,6 +501,7 @@ async function pollMetrics() {
         const n = v[`${name}_count`];
         value = n ? ms(v[`${name}_sum`] / n) : "–";
       } else if (value === undefined) value = "–";
+      else if (name.endsWith("_perc")) value = pct(value);
       const tr = el("tr");
       tr.appendChild(el("td", {}, what));
       tr.appendChild(el("td", { class: "num" }, String(value)));
@@ -507,7 +509,7 @@ async function pollMetrics() {
       table.appendChild(tr);
     }
   } catch (e) { /* the engine view shows the server's state */ }
-  setTimeout(pollMetrics, document.hidden ? 5000 : 1000);
+  setTimeout(pollMetrics, document.hidden ? 5000 : 500);
 }
 
 // --- 4. The arithmetic ------------------------------------------------------------------------------------------------
