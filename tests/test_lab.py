@@ -101,10 +101,13 @@ def test_inspect_refuses_unseeded_samples_and_bad_indices(lab):
                                         "ignore_eos": True}).json()
     r = lab.post("/lab/api/inspect", {"request_id": body["id"].removeprefix("cmpl-"), "token": 0})
     assert r.status_code == 400 and "seed" in r.json()["error"]["message"]
-    body = lab.post("/v1/completions", {"prompt": "abc", "max_tokens": 3, "temperature": 0.7, "seed": 3,
-                                        "ignore_eos": True}).json()
+    body = lab.post("/v1/completions", {"prompt": "abc", "max_tokens": 3, "temperature": 0.7, "seed": 3, "top_k": 20,
+                                        "top_p": 0.9, "repetition_penalty": 1.3, "ignore_eos": True}).json()
     rid = body["id"].removeprefix("cmpl-")
-    assert lab.post("/lab/api/inspect", {"request_id": rid, "token": 1}).json()["replay"]["matches"]
+    d = lab.post("/lab/api/inspect", {"request_id": rid, "token": 1}).json()
+    assert d["replay"]["matches"]                                   # a seeded sample replays exactly
+    assert [s["stage"] for s in d["sampling"]["stages"]] == ["raw", "repetition penalty", "temperature", "top-k",
+                                                              "top-p"]
     r = lab.post("/lab/api/inspect", {"request_id": rid, "token": 3})
     assert r.status_code == 400 and "0 .. 2" in r.json()["error"]["message"]
 
@@ -246,6 +249,8 @@ def test_greedy_generation_shows_generate_text_and_a_token_attention_row(page, t
 
 
 def test_two_concurrent_requests_share_the_pool_then_free_it(page, lab):
+    # one request first, so that the system prompt's blocks are in the prefix cache when the two arrive together
+    lab.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
     undo = slow_steps(lab.server, 0.08)
     try:
         page.fill("#eng-n", "2")
@@ -258,7 +263,7 @@ def test_two_concurrent_requests_share_the_pool_then_free_it(page, lab):
                 .forEach(o => owners.add(o)));
             return owners.size === 2 && document.querySelectorAll('#running .card').length === 2;
         }""", timeout=20_000)
-        assert page.locator("#pool .block.shared").count() >= 1       # their chat template's prefix block
+        assert page.locator("#pool .block.shared").count() >= 1       # the system prompt's blocks, held by both
         page.wait_for_function("""() => document.querySelectorAll('#running .card').length === 0 &&
             [...document.querySelectorAll('#pool .block')].every(b => b.dataset.owners === '')""", timeout=30_000)
     finally:
