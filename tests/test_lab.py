@@ -21,6 +21,7 @@ for _mod in ("starlette", "uvicorn", "prometheus_client", "httpx"):
 
 import tinyllm  # noqa: E402
 from tinyllm.server import ServerOptions, build_app  # noqa: E402
+from tinyllm.server import lab as lab_module  # noqa: E402
 from tinyllm.server.lab import STATIC  # noqa: E402
 from test_server import CHATML, Running  # noqa: E402
 from tiny_gguf import tiny_llama  # noqa: E402
@@ -95,7 +96,7 @@ def test_inspect_bad_input_is_one_clear_line(lab, body, status, message):
     assert r.status_code == status and message in r.json()["error"]["message"]
 
 
-def test_inspect_refuses_unseeded_samples_and_bad_indices(lab):
+def test_inspect_refuses_unseeded_samples_bad_indices_and_long_traces(lab, monkeypatch):
     body = lab.post("/v1/completions", {"prompt": "abc", "max_tokens": 3, "temperature": 1.0,
                                         "ignore_eos": True}).json()
     r = lab.post("/lab/api/inspect", {"request_id": body["id"].removeprefix("cmpl-"), "token": 0})
@@ -109,6 +110,11 @@ def test_inspect_refuses_unseeded_samples_and_bad_indices(lab):
                                                               "top-p"]
     r = lab.post("/lab/api/inspect", {"request_id": rid, "token": 3})
     assert r.status_code == 400 and "0 .. 2" in r.json()["error"]["message"]
+    monkeypatch.setattr(lab_module, "MAX_REPLAY_POSITIONS", 4)      # a trace's memory grows with its positions
+    body = lab.post("/v1/completions", {"prompt": "abc", "max_tokens": 3, "temperature": 0,
+                                        "ignore_eos": True}).json()
+    r = lab.post("/lab/api/inspect", {"request_id": body["id"].removeprefix("cmpl-"), "token": 0})
+    assert r.status_code == 400 and "at most 4" in r.json()["error"]["message"]
 
 
 def test_engine_snapshot_while_two_requests_run(lab):

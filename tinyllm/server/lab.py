@@ -38,7 +38,8 @@ from .protocol import APIError
 STATIC = Path(__file__).resolve().parent / "static"
 TIMELINE_STEPS = 160          # steps of the slot timeline sent to the page
 LENS_TOP = 3                  # logit lens: top tokens per layer shown
-REPLAYS_KEPT = 4              # traced replays kept (one is a few MB per 100 positions on the default model)
+REPLAYS_KEPT = 2              # traced replays kept: q, k, v and the output of every layer, for every position
+MAX_REPLAY_POSITIONS = 1024   # (about 185 KB per position on the default model, so ~190 MB at this cap)
 
 
 # --- the engine, as the page draws it ------------------------------------------------------------------------------
@@ -132,6 +133,9 @@ def replay(engine, request_id: str) -> Replay:
                             "set a seed and generate again", "request_id")
     p = req.params
     positions = len(req.prompt_ids) + len(req.output_ids)
+    if positions > MAX_REPLAY_POSITIONS:
+        raise APIError(400, f"the request holds {positions} positions; the lab traces at most {MAX_REPLAY_POSITIONS} "
+                            f"(a trace keeps every layer's q, k, v for each): inspect a shorter one", "request_id")
     out = generate(engine.model, list(req.prompt_ids), max_new_tokens=len(req.output_ids), temperature=p.temperature,
                    top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, repetition_penalty=p.repetition_penalty,
                    seed=p.seed, ignore_eos=True, trace=Trace(max_positions=positions))
