@@ -87,7 +87,7 @@ def engine_snapshot(engine, steps: int = TIMELINE_STEPS) -> dict:
     return {
         "time": time.time(),
         "pool": {"num_blocks": alloc.num_blocks, "block_size": alloc.block_size, "num_used": alloc.num_used,
-                 "num_free": alloc.num_free, "bytes_per_block": pool.block_bytes,
+                 "num_free": alloc.num_free, "bytes_per_block": pool.bytes_per_token * alloc.block_size,
                  "bytes_per_token": pool.bytes_per_token, "prefix_caching": alloc.prefix_caching,
                  "prefix_hit_tokens": alloc.hit_tokens, "prefix_query_tokens": alloc.query_tokens},
         "blocks": blocks,
@@ -96,7 +96,7 @@ def engine_snapshot(engine, steps: int = TIMELINE_STEPS) -> dict:
         "scheduler": {"policy": sched.policy, "max_num_seqs": sched.max_num_seqs,
                       "max_num_batched_tokens": sched.max_num_batched_tokens, "preemptions": sched.num_preemptions},
         "timeline": timeline,
-        "counters": {k: v for k, v in engine.counters.items()},
+        "counters": dict(engine.counters),
     }
 
 
@@ -291,7 +291,7 @@ class Lab:
 
     async def engine(self, request: HTTPRequest) -> Response:
         self.server._authorize(request)
-        return JSONResponse(await self.on_engine_thread(engine_snapshot, timeout=10))
+        return JSONResponse(await self.on_engine_thread(engine_snapshot))     # waits out a replay, if one runs
 
     async def presets(self, request: HTTPRequest) -> Response:
         return JSONResponse(presets(self.server.model))

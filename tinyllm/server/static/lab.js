@@ -60,7 +60,7 @@ async function api(path, body) {
   const r = await fetch(path, body === undefined ? { headers: headers() }
                                                  : { method: "POST", headers: headers(), body: JSON.stringify(body) });
   if (r.status === 401) $("key-bar").hidden = false;
-  const data = await r.json();
+  const data = await r.json().catch(() => ({}));             // an error page may not be JSON
   if (!r.ok) throw new Error(data.error ? data.error.message : `HTTP ${r.status}`);
   return data;
 }
