@@ -145,6 +145,27 @@ def test_engine_snapshot_while_two_requests_run(lab):
     assert any(len(s) == 2 for s in slots)                          # a step ran both (continuous batching)
 
 
+def test_engine_snapshot_shows_samples_sharing_their_prompt_blocks(lab):
+    undo = slow_steps(lab.server, 0.05)
+    try:
+        done = []
+        t = threading.Thread(target=lambda: done.append(lab.post("/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "n": 3, "temperature": 0.8,
+            "seed": 0, "ignore_eos": True}).json()))
+        t.start()
+        deadline, owners = time.monotonic() + 20, []
+        while time.monotonic() < deadline and not owners:
+            snap = lab.http.get("/lab/api/engine").json()
+            owners = [b["owners"] for b in snap["blocks"] if b["state"] == "shared" and len(b["owners"]) == 3]
+            time.sleep(0.01)
+        t.join(30)
+    finally:
+        undo()
+    rid = done[0]["id"].removeprefix("chatcmpl-")
+    assert owners and sorted(owners[0]) == [rid, f"{rid}/1", f"{rid}/2"]     # the forks hold the prompt's blocks
+    assert lab.idle()
+
+
 def test_capacity_endpoint_reproduces_the_seed(lab):
     body = dict(A_7B, **SEED_HW, context=4096, batch=1, prompt_tokens=2000, output_tokens=500)
     r = lab.post("/lab/api/capacity", body).json()
