@@ -184,6 +184,10 @@ async function runGeneration() {
   Object.assign(gen, { requestId: null, boxes: [], times: [], promptTokens: 0, chat });
   $("tokens").textContent = "";
   $("gen-text").textContent = "";
+  delete $("gen-text").dataset.done;                          // set again when this run ends (the tests wait on it)
+  $("inside-body").hidden = true;                             // the previous run's token is no longer on the page
+  $("inside-empty").textContent = "No token selected yet.";
+  $("inside-empty").hidden = false;
   $("gen-error").hidden = true;
   $("go").disabled = true;
   $("stop").disabled = false;
@@ -202,7 +206,6 @@ async function runGeneration() {
       addTokenBox(tok, at);
       renderGenStats(false);
     }, controller.signal);
-    $("gen-text").dataset.done = "true";
   } catch (e) {
     if (e.name !== "AbortError") { $("gen-error").textContent = e.message; $("gen-error").hidden = false; }
   } finally {
