@@ -194,6 +194,14 @@ def test_lab_can_be_turned_off_and_its_files_are_package_data(tiny):
     assert all(any(fnmatch.fnmatch(f, pat) for pat in patterns) for f in files), (files, patterns)
 
 
+def test_serve_script_turns_the_lab_off_on_request():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("serve_script", REPO / "scripts" / "serve.py")
+    serve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve)
+    assert serve.parse_args([]).no_lab is False and serve.parse_args(["--no-lab"]).no_lab is True
+
+
 def test_the_page_loads_nothing_from_elsewhere():
     """No CDN, no external font: every src / href the page and its files name is this server's or a data: URL."""
     import re
