@@ -7,7 +7,8 @@
          -d '{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}'
 
 Endpoints: /v1/completions, /v1/chat/completions (stream: true for server-sent events), /v1/models, /tokenize,
-/detokenize, /health (alive), /ready (kernels compiled, not draining), /metrics (Prometheus).
+/detokenize, /health (alive), /ready (kernels compiled, not draining), /metrics (Prometheus), and the inference
+lab page at /lab (--no-lab turns it off).
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="on SIGTERM: seconds running requests get to finish before they are aborted")
     g.add_argument("--api-key", default=os.environ.get("TINYLLM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $TINYLLM_API_KEY, else no key)")
+    p.add_argument("--no-lab", action="store_true", help="do not serve the inference lab page at /lab")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p.parse_args(argv)
 
@@ -75,7 +77,7 @@ def main(argv=None) -> int:
         name = args.served_model_name or default_name
         options = ServerOptions(model_name=name, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
                                 request_timeout=args.request_timeout, drain_timeout=args.drain_timeout,
-                                api_key=args.api_key)
+                                api_key=args.api_key, lab=not args.no_lab)
         server = build_app(model, options, kv_memory=args.kv_memory, block_size=args.block_size,
                            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                            policy=args.policy, prefix_caching=not args.no_prefix_caching,
@@ -84,7 +86,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"loaded {name} in {time.perf_counter() - t0:.1f} s | KV pool {server.engine.pool.num_blocks} blocks of "
-          f"{args.block_size} | max_model_len {server.max_model_len} | http://{args.host}:{args.port}", file=sys.stderr)
+          f"{args.block_size} | max_model_len {server.max_model_len} | http://{args.host}:{args.port}"
+          + (" (the lab: /lab)" if not args.no_lab else ""), file=sys.stderr)
     serve(server, args.host, args.port, log_level=args.log_level)
     return 0
 

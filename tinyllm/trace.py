@@ -167,12 +167,15 @@ class Trace:
         probs = ops.softmax(np.where(causal, scores, np.float32(-np.inf)), axis=-1)
         return np.where(causal, probs, 0).astype(np.float32)
 
-    def logit_lens(self, layer: int, top: int = LENS_TOP) -> tuple[np.ndarray, np.ndarray]:
-        """The final norm and output head applied to the layer's output at every position: what the model would
-        predict if it stopped there (nostalgebraist 2020). -> (ids [S, top], probs [S, top]), most likely first;
-        for the last layer these are the model's own predictions."""
+    def logit_lens(self, layer: int, top: int = LENS_TOP, positions=None) -> tuple[np.ndarray, np.ndarray]:
+        """The final norm and output head applied to the layer's output at every position (or only at
+        `positions`, a list: the head is the costly part): what the model would predict if it stopped there
+        (nostalgebraist 2020). -> (ids [S, top], probs [S, top]), most likely first; for the last layer these are
+        the model's own predictions."""
         m = self._model
         x = self._cat(layer, "out")                                  # [S, D]
+        if positions is not None:
+            x = x[list(positions)]                                   # [P, D]
         if m.config.arch == "llama":
             h = ops.rmsnorm(x, m.final_norm, m.config.norm_eps)
         else:

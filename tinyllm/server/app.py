@@ -45,6 +45,9 @@ class Server:
                   Route("/detokenize", self.detokenize, methods=["POST"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/chat/completions", self.chat_completions, methods=["POST"])]
+        if options.lab:                            # the inference lab page at /lab (lab.py)
+            from .lab import Lab
+            routes += Lab(self).routes()
         self.app = Starlette(routes=routes, lifespan=self._lifespan,
                              exception_handlers={APIError: _api_error})
 

@@ -46,6 +46,11 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self.commands.put(("abort", request_id))
 
+    def call(self, fn, loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> None:
+        """Run fn(engine) on the engine thread between two steps (a consistent view of the pool and queues, for
+        the lab page); its result or exception is set on `future`."""
+        self.commands.put(("call", fn, loop, future))
+
     def stop(self, timeout: float = 10.0) -> None:
         """Abort everything still running and end the thread."""
         self.commands.put(("stop",))
@@ -98,6 +103,14 @@ class EngineLoop:
         list(warm.run())
 
     def _handle(self, command) -> None:
+        if command[0] == "call":
+            _, fn, loop, future = command
+            try:
+                result, error = fn(self.engine), None
+            except Exception as e:                  # handed to the caller, who answers with it
+                result, error = None, e
+            loop.call_soon_threadsafe(_settle, future, result, error)
+            return
         if command[0] == "abort":
             if command[1] in self.active:
                 self.engine.abort(command[1])
@@ -154,3 +167,8 @@ class EngineLoop:
             self.metrics.update(self.engine)
 
 
+
+
+def _settle(future: asyncio.Future, result, error) -> None:
+    if not future.done():                           # the caller may have given up waiting
+        future.set_exception(error) if error is not None else future.set_result(result)

@@ -25,6 +25,7 @@ class ServerOptions:
     request_timeout: float = 600.0        # seconds from arrival to the last token, else the request is aborted
     drain_timeout: float = 30.0           # on SIGTERM: how long running requests may take to finish
     api_key: str | None = None            # if set, /v1/*, /tokenize and /detokenize need "Authorization: Bearer KEY"
+    lab: bool = True                      # serve the inference lab page at /lab (lab.py)
 
 
 class APIError(Exception):

@@ -1,0 +1,344 @@
+"""The inference lab (/lab): its JSON endpoints over HTTP, and the page itself in a real headless Chromium.
+
+In the browser: the page loads with no console error; a greedy generation shows tinyllm.generate's text; clicking
+a token shows an attention row summing to 1 and a replay that matched the stream; two concurrent requests both
+own blocks in the pool view, which are free again when they finish; the calculator reproduces the seed's 512 KiB
+of KV per token. The browser tests need Playwright and a Chromium (Debian's `chromium`; $TINYLLM_CHROMIUM names
+another) and skip without them; CI installs both (.ci/run). Tiny random model, except the test marked slow.
+"""
+import fnmatch
+import json
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+for _mod in ("starlette", "uvicorn", "prometheus_client", "httpx"):
+    pytest.importorskip(_mod, reason='needs the serve extra and httpx: pip install -e ".[serve,test]"')
+
+import tinyllm  # noqa: E402
+from tinyllm.server import ServerOptions, build_app  # noqa: E402
+from tinyllm.server import lab as lab_module  # noqa: E402
+from tinyllm.server.lab import STATIC  # noqa: E402
+from test_server import CHATML, Running  # noqa: E402
+from tiny_gguf import tiny_llama  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+A_7B = dict(layers=32, kv_heads=32, head_dim=128, bytes_per_value=2, params=7e9, weight_gb=14)   # the seed's shapes
+SEED_HW = dict(memory_gib=80, usable_fraction=0.9, bandwidth_gbs=2000, peak_tflops=200)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    p = tmp_path_factory.mktemp("lab") / "tiny.gguf"
+    tiny_llama(p, metadata={"llama.context_length": 256, "tokenizer.chat_template": CHATML})
+    return tinyllm.load(p)
+
+
+@pytest.fixture(scope="module")
+def lab(tiny):
+    r = Running(build_app(tiny, ServerOptions(model_name="tiny"), num_blocks=64, block_size=4, max_num_seqs=4))
+    yield r
+    r.close()
+
+
+def slow_steps(server, delay: float):
+    """Make every engine step take at least `delay` s (the tiny model is too fast to watch); -> undo function."""
+    step = server.engine.step
+
+    def slowed():
+        time.sleep(delay)
+        return step()
+    server.engine.step = slowed
+    return lambda: setattr(server.engine, "step", step)
+
+
+# --- the JSON endpoints -------------------------------------------------------------------------------------------
+def test_inspect_replays_the_request_and_explains_its_token(lab, tiny):
+    prompt = "hello world"
+    body = lab.post("/v1/completions", {"prompt": prompt, "max_tokens": 10, "temperature": 0,
+                                        "ignore_eos": True}).json()
+    rid = body["id"].removeprefix("cmpl-")
+    ref = tinyllm.generate(tiny, prompt, max_new_tokens=10, ignore_eos=True)
+    P = len(ref.prompt_ids)
+    for index in (0, 4, 9):
+        r = lab.post("/lab/api/inspect", {"request_id": rid, "token": index, "layer": 1})
+        assert r.status_code == 200, r.text
+        d = r.json()
+        assert d["replay"] == {"matches": True, "first_difference": None, "streamed": 10}
+        assert d["token"]["id"] == ref.token_ids[index] and d["position"] == P + index - 1
+        assert len(d["tokens"]) == P + index
+        heads = d["attention"]["heads"]
+        assert len(heads) == tiny.config.n_heads and all(len(h) == P + index for h in heads)
+        assert all(abs(sum(h) - 1) < 1e-5 for h in heads + [d["attention"]["average"]])
+        assert [row["layer"] for row in d["lens"]] == list(range(tiny.config.n_layers))
+        # the last layer's lens is the model's own prediction: its top token is greedy's choice
+        assert d["lens"][-1]["top"][0]["id"] == ref.token_ids[index]
+        stages = d["sampling"]["stages"]
+        assert [s["stage"] for s in stages] == ["raw", "greedy"]
+        assert stages[0]["top"][0]["id"] == ref.token_ids[index] and d["sampling"]["prob"] == 1.0
+    # the same numbers as the trace of tinyllm.generate
+    traced = tinyllm.generate(tiny, prompt, max_new_tokens=10, ignore_eos=True, trace=True).trace
+    d = lab.post("/lab/api/inspect", {"request_id": rid, "token": 4, "layer": 0}).json()
+    assert d["attention"]["heads"][2] == pytest.approx(traced.attention(0)[2, P + 3, :P + 4].tolist(), abs=1e-6)
+
+
+@pytest.mark.parametrize("body, status, message", [
+    ({"request_id": "nope", "token": 0}, 404, "history"),
+    ({"token": 0}, 400, "request_id"),
+    ({"request_id": "x", "token": "1"}, 400, "token must be an integer"),
+])
+def test_inspect_bad_input_is_one_clear_line(lab, body, status, message):
+    r = lab.post("/lab/api/inspect", body)
+    assert r.status_code == status and message in r.json()["error"]["message"]
+
+
+def test_inspect_refuses_unseeded_samples_bad_indices_and_long_traces(lab, monkeypatch):
+    body = lab.post("/v1/completions", {"prompt": "abc", "max_tokens": 3, "temperature": 1.0,
+                                        "ignore_eos": True}).json()
+    r = lab.post("/lab/api/inspect", {"request_id": body["id"].removeprefix("cmpl-"), "token": 0})
+    assert r.status_code == 400 and "seed" in r.json()["error"]["message"]
+    body = lab.post("/v1/completions", {"prompt": "abc", "max_tokens": 3, "temperature": 0.7, "seed": 3, "top_k": 20,
+                                        "top_p": 0.9, "repetition_penalty": 1.3, "ignore_eos": True}).json()
+    rid = body["id"].removeprefix("cmpl-")
+    d = lab.post("/lab/api/inspect", {"request_id": rid, "token": 1}).json()
+    assert d["replay"]["matches"]                                   # a seeded sample replays exactly
+    assert [s["stage"] for s in d["sampling"]["stages"]] == ["raw", "repetition penalty", "temperature", "top-k",
+                                                              "top-p"]
+    r = lab.post("/lab/api/inspect", {"request_id": rid, "token": 3})
+    assert r.status_code == 400 and "0 .. 2" in r.json()["error"]["message"]
+    monkeypatch.setattr(lab_module, "MAX_REPLAY_POSITIONS", 4)      # a trace's memory grows with its positions
+    body = lab.post("/v1/completions", {"prompt": "abc", "max_tokens": 3, "temperature": 0,
+                                        "ignore_eos": True}).json()
+    r = lab.post("/lab/api/inspect", {"request_id": body["id"].removeprefix("cmpl-"), "token": 0})
+    assert r.status_code == 400 and "at most 4" in r.json()["error"]["message"]
+
+
+def test_engine_snapshot_while_two_requests_run(lab):
+    undo = slow_steps(lab.server, 0.05)
+    try:
+        done = []
+        threads = [threading.Thread(target=lambda p=p: done.append(lab.post("/v1/completions", {
+            "prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True}).json())) for p in ("aaaa", "bbbbb")]
+        for t in threads:
+            t.start()
+        deadline, seen = time.monotonic() + 20, {}
+        while time.monotonic() < deadline and len(seen) < 2:
+            snap = lab.http.get("/lab/api/engine").json()
+            seen.update({r["id"]: r for r in snap["running"]})
+            time.sleep(0.02)
+        for t in threads:
+            t.join(30)
+    finally:
+        undo()
+    assert len(seen) == 2, "both requests should have been seen running together"
+    ids = {b["id"].removeprefix("cmpl-") for b in done}
+    assert set(seen) == ids
+    assert lab.idle()
+    snap = lab.http.get("/lab/api/engine").json()
+    assert snap["running"] == [] and snap["pool"]["num_used"] == 0
+    assert all(b["state"] in ("free", "cached") and not b["owners"] for b in snap["blocks"])
+    slots = [set(s["slots"]) for s in snap["timeline"]]
+    assert any(len(s) == 2 for s in slots)                          # a step ran both (continuous batching)
+
+
+def test_engine_snapshot_shows_samples_sharing_their_prompt_blocks(lab):
+    undo = slow_steps(lab.server, 0.05)
+    try:
+        done = []
+        t = threading.Thread(target=lambda: done.append(lab.post("/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "n": 3, "temperature": 0.8,
+            "seed": 0, "ignore_eos": True}).json()))
+        t.start()
+        deadline, owners = time.monotonic() + 20, []
+        while time.monotonic() < deadline and not owners:
+            snap = lab.http.get("/lab/api/engine").json()
+            owners = [b["owners"] for b in snap["blocks"] if b["state"] == "shared" and len(b["owners"]) == 3]
+            time.sleep(0.01)
+        t.join(30)
+    finally:
+        undo()
+    rid = done[0]["id"].removeprefix("chatcmpl-")
+    assert owners and sorted(owners[0]) == [rid, f"{rid}/1", f"{rid}/2"]     # the forks hold the prompt's blocks
+    assert lab.idle()
+
+
+def test_capacity_endpoint_reproduces_the_seed(lab):
+    body = dict(A_7B, **SEED_HW, context=4096, batch=1, prompt_tokens=2000, output_tokens=500)
+    r = lab.post("/lab/api/capacity", body).json()
+    assert r["kv_bytes_per_token"] == 524_288                       # 512 KiB
+    assert r["kv_bytes_per_sequence"] == 2 * 2**30                  # 2.0 GiB at 4,096 tokens
+    assert r["max_sequences"] == 29                                 # (80 GiB x 0.9 - 14 GB) / 2 GiB = 29.5
+    r = lab.post("/lab/api/capacity", dict(body, context=1000)).json()
+    assert round(r["decode_step_s"] * 1e3, 2) == 7.26 and round(r["tokens_per_s_total"]) == 138
+    assert r["bound"] == "memory bandwidth" and r["ridge_flops_per_byte"] == pytest.approx(100)
+    bad = lab.post("/lab/api/capacity", dict(body, layers=0))
+    assert bad.status_code == 400 and bad.json()["error"]["message"] == "layers must be a number >= 1, got 0"
+    presets = lab.http.get("/lab/api/presets").json()
+    assert presets["models"]["7b"]["layers"] == 32 and presets["models"]["served"]["layers"] == 2
+
+
+def test_lab_can_be_turned_off_and_its_files_are_package_data(tiny):
+    r = Running(build_app(tiny, ServerOptions(model_name="tiny", lab=False), num_blocks=16, block_size=4))
+    try:
+        assert r.http.get("/lab").status_code == 404 and r.http.get("/lab/api/engine").status_code == 404
+    finally:
+        r.close()
+    setupcfg = pytest.importorskip("setuptools.config.setupcfg", reason="needs setuptools to read setup.cfg")
+    patterns = setupcfg.read_configuration(REPO / "setup.cfg")["options"]["package_data"]["tinyllm.server"]
+    files = [p.relative_to(STATIC.parent).as_posix() for p in STATIC.iterdir()]
+    assert {"static/lab.html", "static/lab.css", "static/lab.js"} <= set(files)
+    assert all(any(fnmatch.fnmatch(f, pat) for pat in patterns) for f in files), (files, patterns)
+
+
+def test_serve_script_turns_the_lab_off_on_request():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("serve_script", REPO / "scripts" / "serve.py")
+    serve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve)
+    assert serve.parse_args([]).no_lab is False and serve.parse_args(["--no-lab"]).no_lab is True
+
+
+def test_the_page_loads_nothing_from_elsewhere():
+    """No CDN, no external font: every src / href the page and its files name is this server's or a data: URL."""
+    import re
+    for name in ("lab.html", "lab.css", "lab.js"):
+        text = (STATIC / name).read_text()
+        assert not re.search(r"(src|href)\s*=\s*[\"']?(https?:)?//", text), name
+        assert "@import" not in text and "url(http" not in text, name
+
+
+# --- in a real browser --------------------------------------------------------------------------------------------
+def chromium_path() -> str | None:
+    for candidate in (os.environ.get("TINYLLM_CHROMIUM"), "chromium", "chromium-browser", "google-chrome"):
+        if candidate and (shutil.which(candidate) or Path(candidate).is_file()):
+            return shutil.which(candidate) or candidate
+    return None
+
+
+@pytest.fixture(scope="module")
+def browser():
+    sync_api = pytest.importorskip("playwright.sync_api", reason='needs Playwright: pip install -e ".[lab]"')
+    exe = chromium_path()
+    if exe is None:
+        pytest.skip("needs a Chromium: apt-get install chromium (or set TINYLLM_CHROMIUM to its path)")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=exe, args=["--headless=new", "--no-sandbox", "--disable-gpu",
+                                                         "--disable-dev-shm-usage"])
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser, lab):
+    """A fresh page on the lab; fails the test if the page logged any console error or threw."""
+    pg = browser.new_page(viewport={"width": 1200, "height": 900})
+    errors = []
+    pg.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    pg.goto(lab.url + "/lab")
+    pg.wait_for_selector("body[data-ready=true]", timeout=20_000)
+    yield pg
+    pg.close()
+    assert errors == [], errors
+
+
+def test_page_loads_with_every_section(page):
+    for section in ("generate", "inside", "engine", "arithmetic"):
+        assert page.locator(f"section#{section}").is_visible()
+    assert page.inner_text("#model-name") == "tiny"
+    page.wait_for_function("document.querySelectorAll('#pool .block').length === 64")
+
+
+def test_greedy_generation_shows_generate_text_and_a_token_attention_row(page, tiny):
+    prompt = "hello there"
+    page.check("input[name=mode][value=completion]")
+    page.fill("#prompt", prompt)
+    page.fill("#max-tokens", "12")
+    page.fill("#temperature", "0")
+    page.click("#go")
+    page.wait_for_selector("#gen-text[data-done=true]", timeout=20_000)
+    ref = tinyllm.generate(tiny, prompt, max_new_tokens=12)
+    assert page.text_content("#gen-text") == ref.text
+    boxes = page.locator("#tokens .tok")
+    assert boxes.count() == len(ref.token_ids)
+    assert "".join(boxes.nth(i).get_attribute("data-text") for i in range(boxes.count())) == ref.text
+    assert page.inner_text("#st-tokens") == str(len(ref.token_ids))
+    boxes.nth(3).click()
+    page.wait_for_selector("#att-row .att", timeout=20_000)
+    assert page.get_attribute("#in-replay", "data-matches") == "true"
+    for head in ("average", "0", "3"):
+        page.select_option("#in-head", head)
+        values = [float(v) for v in page.eval_on_selector_all("#att-row .att", "es => es.map(e => e.dataset.p)")]
+        assert len(values) == len(ref.prompt_ids) + 3                # positions 0 .. the one that chose token 3
+        assert sum(values) == pytest.approx(1, abs=1e-5)
+    assert page.locator("#lens tr").count() == tiny.config.n_layers + 1
+    page.select_option("#in-layer", "0")                             # another layer: asks the server again
+    page.wait_for_function("document.querySelector('#in-layer').value === '0' && "
+                           "document.querySelectorAll('#att-row .att').length > 0")
+
+
+def test_two_concurrent_requests_share_the_pool_then_free_it(page, lab):
+    # one request first, so that the system prompt's blocks are in the prefix cache when the two arrive together
+    lab.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    undo = slow_steps(lab.server, 0.08)
+    try:
+        page.fill("#eng-n", "2")
+        page.fill("#eng-max", "16")
+        page.click("#eng-send")
+        # both requests own blocks at once (owners are request ids; samples would be id/1 ...)
+        page.wait_for_function("""() => {
+            const owners = new Set();
+            document.querySelectorAll('#pool .block').forEach(b => b.dataset.owners.split(',').filter(x => x)
+                .forEach(o => owners.add(o)));
+            return owners.size === 2 && document.querySelectorAll('#running .card').length === 2;
+        }""", timeout=20_000)
+        assert page.locator("#pool .block.shared").count() >= 1       # the system prompt's blocks, held by both
+        page.wait_for_function("""() => document.querySelectorAll('#running .card').length === 0 &&
+            [...document.querySelectorAll('#pool .block')].every(b => b.dataset.owners === '')""", timeout=30_000)
+    finally:
+        undo()
+    assert lab.idle()
+    assert page.locator("#timeline .tl-cell.tok").count() > 0
+
+
+def test_calculator_reproduces_the_seed_kv_figure(page):
+    page.select_option("#calc-preset", "7b")
+    row = page.locator("tr[data-row='KV cache per token'] td.num")
+    assert row.inner_text() == "512 KiB"                             # 2 x 32 x 32 x 128 x 2 B
+    page.fill("input[name=context]", "4096")
+    page.wait_for_function("document.querySelector(\"tr[data-row='KV cache per sequence'] td.num\")"
+                           ".textContent === '2 GiB'")
+    page.select_option("select[name=bytes_per_value]", "1")          # an int8 cache halves it
+    page.wait_for_function("document.querySelector(\"tr[data-row='KV cache per token'] td.num\")"
+                           ".textContent === '256 KiB'")
+    page.fill("input[name=layers]", "0")
+    page.wait_for_selector("#calc-error:not([hidden])")
+    assert page.inner_text("#calc-error").startswith("layers:")       # the form's own check, no request sent
+
+
+@pytest.mark.slow
+def test_real_model_chat_in_the_browser(browser, default_model):
+    r = Running(build_app(default_model, ServerOptions(model_name="SmolLM2-135M-Instruct"), kv_memory="64MiB"))
+    try:
+        pg = browser.new_page(viewport={"width": 1200, "height": 900})
+        errors = []
+        pg.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        pg.goto(r.url + "/lab")
+        pg.wait_for_selector("body[data-ready=true]", timeout=30_000)
+        pg.fill("#prompt", "What is the capital of France?")
+        pg.fill("#max-tokens", "24")
+        pg.click("#go")
+        pg.wait_for_selector("#gen-text[data-done=true]", timeout=60_000)
+        ref = tinyllm.generate(default_model, [{"role": "user", "content": "What is the capital of France?"}],
+                               max_new_tokens=24)
+        assert pg.text_content("#gen-text") == ref.text and "Paris" in ref.text
+        pg.locator("#tokens .tok").nth(2).click()
+        pg.wait_for_selector("#att-row .att", timeout=120_000)
+        assert pg.get_attribute("#in-replay", "data-matches") == "true"
+        assert errors == []
+    finally:
+        r.close()

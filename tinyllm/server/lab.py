@@ -1,0 +1,321 @@
+"""The inference lab: a local web page (`/lab`) that shows a generation and the engine while they happen.
+
+The page (static/lab.html, lab.css, lab.js: plain files, no build step) talks to the server's own OpenAI API to
+generate, and to three read-only JSON endpoints defined here:
+
+    GET  /lab/api/engine       the KV block pool (owner of every block, shared and free ones), the running and
+                               waiting queues, and the slot timeline of the last steps (continuous batching)
+    POST /lab/api/inspect      one generated token of a finished request, from the inside: attention of the
+                               position that chose it, the logit lens per layer, and the sampling stages
+    POST /lab/api/capacity     the serving arithmetic of tinyllm/capacity.py for the calculator form
+    GET  /lab/api/presets      model shapes and hardware for that form
+
+Every read of the engine runs on the engine thread between two steps (EngineLoop.call), so it sees a consistent
+pool. "Inspect" replays the request with tracing: same prompt ids, sampling parameters and seed, so the same
+tokens; the reply says whether the replay really matched the stream. The replay runs on the engine thread too
+(the model and its kernels are used by one thread at a time), so other requests pause while it runs.
+Left out: editing anything (the lab only reads) and requests with n > 1 (inspect follows sample 0).
+"""
+from __future__ import annotations
+
+import asyncio
+import bisect
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from .. import capacity
+from ..generate import generate
+from ..trace import Trace
+from .protocol import APIError
+
+STATIC = Path(__file__).resolve().parent / "static"
+TIMELINE_STEPS = 160          # steps of the slot timeline sent to the page
+LENS_TOP = 3                  # logit lens: top tokens per layer shown
+REPLAYS_KEPT = 2              # traced replays kept: q, k, v and the output of every layer, for every position
+MAX_REPLAY_POSITIONS = 1024   # (about 185 KB per position on the default model, so ~190 MB at this cap)
+
+
+# --- the engine, as the page draws it ------------------------------------------------------------------------------
+def request_name(seq_id) -> str:
+    """A pool sequence name -> the request id it belongs to (the scheduler names them ("request", id))."""
+    return seq_id[1] if isinstance(seq_id, tuple) and len(seq_id) == 2 and seq_id[0] == "request" else str(seq_id)
+
+
+def engine_snapshot(engine, steps: int = TIMELINE_STEPS) -> dict:
+    """A JSON-ready picture of the engine now (call it on the engine thread): pool, queues, timeline, counters."""
+    pool, alloc, sched = engine.pool, engine.pool.allocator, engine.scheduler
+    owners = [[] for _ in range(alloc.num_blocks)]             # block -> request ids whose tables list it
+    tables = {}
+    for seq_id, table in alloc.tables.items():
+        rid = request_name(seq_id)
+        tables[rid] = list(table)
+        for b in table:
+            owners[b].append(rid)
+    evictable = set(alloc.evictable)
+    blocks = []
+    for b in range(alloc.num_blocks):
+        if alloc.ref[b]:
+            state = "shared" if alloc.ref[b] > 1 else "used"
+        else:                                                  # cached: free, but holds a reusable prefix
+            state = "cached" if b in evictable else "free"
+        blocks.append({"state": state, "owners": owners[b], "prefix": alloc.block_hash[b] is not None})
+
+    def card(req) -> dict:
+        return {"id": req.request_id, "status": req.status, "slot": req.slot, "prompt_tokens": len(req.prompt_ids),
+                "output_tokens": len(req.output_ids), "max_tokens": req.max_tokens, "computed": req.num_computed,
+                "cached_tokens": req.metrics.cached_tokens, "preemptions": req.metrics.preemptions,
+                "blocks": tables.get(req.request_id, []), "text": req.text[-60:]}
+
+    now = engine.clock()
+    recent = list(engine.steps)[-steps:]
+    timeline = []
+    for s in recent:
+        cells = {}
+        for slot, rid in s.slots.items():
+            req = engine.requests.get(rid)
+            times = req.metrics.token_times if req is not None else []
+            i = bisect.bisect_left(times, s.start)               # did this step give the request a token?
+            cells[slot] = {"id": rid, "token": i < len(times) and times[i] <= s.end}
+        timeline.append({"ago": now - s.start, "duration": s.end - s.start, "tokens": s.tokens, "slots": cells})
+    return {
+        "time": time.time(),
+        "pool": {"num_blocks": alloc.num_blocks, "block_size": alloc.block_size, "num_used": alloc.num_used,
+                 "num_free": alloc.num_free, "bytes_per_block": pool.bytes_per_token * alloc.block_size,
+                 "bytes_per_token": pool.bytes_per_token, "prefix_caching": alloc.prefix_caching,
+                 "prefix_hit_tokens": alloc.hit_tokens, "prefix_query_tokens": alloc.query_tokens},
+        "blocks": blocks,
+        "running": [card(r) for r in sched.running],
+        "waiting": [card(r) for r in sched.waiting],
+        "scheduler": {"policy": sched.policy, "max_num_seqs": sched.max_num_seqs,
+                      "max_num_batched_tokens": sched.max_num_batched_tokens, "preemptions": sched.num_preemptions},
+        "timeline": timeline,
+        "counters": dict(engine.counters),
+    }
+
+
+# --- look inside a token: a traced replay --------------------------------------------------------------------------
+@dataclass
+class Replay:
+    """A finished request run again with a Trace, and whether it produced the streamed tokens."""
+    model: object
+    trace: Trace
+    prompt_len: int
+    streamed: list[int]          # the request's output ids, as the engine streamed them
+    replayed: list[int]          # the replay's output ids
+
+    @property
+    def first_difference(self) -> int | None:
+        for i, (a, b) in enumerate(zip(self.streamed, self.replayed)):
+            if a != b:
+                return i
+        return None if len(self.streamed) == len(self.replayed) else min(len(self.streamed), len(self.replayed))
+
+
+def replay(engine, request_id: str) -> Replay:
+    """Generate again what request `request_id` generated, with tracing (engine thread: it uses the model)."""
+    req = engine.requests.get(request_id)
+    if req is None:
+        raise APIError(404, f"no request {request_id!r} in the engine's history (it keeps the last "
+                            f"{engine.history}): generate again, then inspect", "request_id")
+    if req.status != "finished":
+        raise APIError(409, "the request is still running: inspect its tokens once it has finished", "request_id")
+    if not req.output_ids:
+        raise APIError(400, "the request generated no token to inspect", "request_id")
+    if not req.params.greedy and req.params.seed is None:
+        raise APIError(400, "a sampled request without a seed cannot be replayed (its draws are not repeatable): "
+                            "set a seed and generate again", "request_id")
+    p = req.params
+    positions = len(req.prompt_ids) + len(req.output_ids)
+    if positions > MAX_REPLAY_POSITIONS:
+        raise APIError(400, f"the request holds {positions} positions; the lab traces at most {MAX_REPLAY_POSITIONS} "
+                            f"(a trace keeps every layer's q, k, v for each): inspect a shorter one", "request_id")
+    out = generate(engine.model, list(req.prompt_ids), max_new_tokens=len(req.output_ids), temperature=p.temperature,
+                   top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, repetition_penalty=p.repetition_penalty,
+                   seed=p.seed, ignore_eos=True, trace=Trace(max_positions=positions))
+    return Replay(engine.model, out.trace, len(req.prompt_ids), list(req.output_ids), list(out.token_ids))
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    """One token's text (a piece of a UTF-8 character shows as the replacement character)."""
+    if tokenizer is None:
+        return str(token_id)
+    return tokenizer.id_to_bytes(int(token_id)).decode("utf-8", errors="replace")
+
+
+def inspect_token(r: Replay, index: int, layer: int | None) -> dict:
+    """Generated token `index` of a replay, from the inside. It was chosen by the pass at the position just before
+    it (prompt_len + index - 1): that position's attention over every earlier position, its logit lens, and the
+    sampling stages of the token."""
+    tr, c, tok = r.trace, r.model.config, r.model.tokenizer
+    if not 0 <= index < len(r.replayed):
+        raise APIError(400, f"token must be in 0 .. {len(r.replayed) - 1} (the request generated "
+                            f"{len(r.replayed)} tokens)", "token")
+    layer = c.n_layers - 1 if layer is None else layer
+    if not 0 <= layer < c.n_layers:
+        raise APIError(400, f"layer must be in 0 .. {c.n_layers - 1}", "layer")
+    q = r.prompt_len + index - 1                                  # the position whose output chose the token
+    att = tr.attention(layer)[:, q, :q + 1]                       # [H, q+1] each head's row over 0..q
+    lens = []
+    for i in range(c.n_layers):
+        ids, probs = tr.logit_lens(i, top=LENS_TOP, positions=[q])   # [1, top] each
+        lens.append({"layer": i, "top": [{"id": int(t), "text": token_text(tok, t), "prob": float(pr)}
+                                         for t, pr in zip(ids[0], probs[0])]})
+    s = tr.sampling[index]
+    diff = r.first_difference
+    return {
+        "token_index": index, "position": q, "prompt_len": r.prompt_len,
+        "tokens": tr.tokens[:q + 1],
+        "token": {"id": s.token, "text": token_text(tok, s.token), "prob": s.prob},
+        "replay": {"matches": diff is None, "first_difference": diff, "streamed": len(r.streamed)},
+        "layer": layer, "n_layers": c.n_layers, "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads,
+        "attention": {"heads": att.tolist(), "average": att.mean(axis=0).tolist()},
+        "lens": lens,
+        "sampling": {"stages": [{"stage": st.stage, "top": [{"id": t, "text": token_text(tok, t), "prob": pr}
+                                                           for t, pr in zip(st.ids, st.probs)]}
+                                for st in s.stages],
+                     "token": s.token, "prob": s.prob},
+    }
+
+
+# --- the arithmetic ------------------------------------------------------------------------------------------------
+CAPACITY_FIELDS = {        # name -> (what it is, least allowed value)
+    "layers": ("layers", 1), "kv_heads": ("KV heads", 1), "head_dim": ("head dimension", 1),
+    "bytes_per_value": ("bytes per KV value", 0.125), "params": ("parameters", 1), "weight_gb": ("weights (GB)", 0),
+    "memory_gib": ("device memory (GiB)", 0), "usable_fraction": ("usable fraction", 0.01),
+    "bandwidth_gbs": ("bandwidth (GB/s)", 0.001), "peak_tflops": ("peak compute (TFLOP/s)", 0.000001),
+    "context": ("context (tokens)", 1), "batch": ("batch", 1), "prompt_tokens": ("prompt tokens", 1),
+    "output_tokens": ("output tokens", 1),
+}
+INTEGER_FIELDS = {"layers", "kv_heads", "head_dim", "context", "batch", "prompt_tokens", "output_tokens"}
+SEED_HARDWARE = {"memory_gib": 80, "usable_fraction": 0.9, "bandwidth_gbs": 2000, "peak_tflops": 200}
+
+
+def capacity_inputs(body: dict) -> dict:
+    """Validate the calculator form: every field a number at or above its least value (one clear 400 otherwise)."""
+    values = {}
+    for name, (what, least) in CAPACITY_FIELDS.items():
+        v = body.get(name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= least or v != v or v == float("inf"):
+            raise APIError(400, f"{what} must be a number >= {least:g}, got {v!r}", name)
+        if name in INTEGER_FIELDS and v != int(v):
+            raise APIError(400, f"{what} must be a whole number, got {v!r}", name)
+        values[name] = int(v) if name in INTEGER_FIELDS else float(v)
+    if values["usable_fraction"] > 1:
+        raise APIError(400, f"usable fraction must be at most 1, got {values['usable_fraction']:g}", "usable_fraction")
+    return values
+
+
+def capacity_figures(v: dict) -> dict:
+    """The calculator's results, every one from tinyllm/capacity.py (the same code as scripts/capacity.py)."""
+    weight_bytes, bandwidth, peak = v["weight_gb"] * capacity.GB, v["bandwidth_gbs"] * 1e9, v["peak_tflops"] * 1e12
+    kv_token = capacity.kv_bytes_per_token(layers=v["layers"], kv_heads=v["kv_heads"], head_dim=v["head_dim"],
+                                           bytes_per_value=v["bytes_per_value"])
+    hardware = dict(bandwidth=bandwidth, params=v["params"], peak_flops=peak)
+    step = capacity.decode_step_time(weight_bytes=weight_bytes, batch=v["batch"], context=v["context"],
+                                     kv_bytes_per_token=kv_token, **hardware)
+    step_bytes = capacity.decode_step_bytes(weight_bytes=weight_bytes, batch=v["batch"], context=v["context"],
+                                            kv_bytes_per_token=kv_token)
+    step_flops = capacity.decode_flops(params=v["params"], batch=v["batch"])
+    latency = capacity.request_latency(prompt_tokens=v["prompt_tokens"], output_tokens=v["output_tokens"],
+                                       weight_bytes=weight_bytes, kv_bytes_per_token=kv_token, batch=v["batch"],
+                                       **hardware)
+    fits = capacity.max_concurrent_sequences(memory_bytes=v["memory_gib"] * capacity.GiB,
+                                             usable_fraction=v["usable_fraction"], weight_bytes=weight_bytes,
+                                             context=v["context"], kv_bytes_per_token=kv_token)
+    ridge = capacity.ridge_point(peak_flops=peak, bandwidth=bandwidth)
+    return {
+        "kv_bytes_per_token": kv_token,
+        "kv_bytes_per_sequence": capacity.kv_bytes_per_sequence(layers=v["layers"], kv_heads=v["kv_heads"],
+                                                                head_dim=v["head_dim"],
+                                                                bytes_per_value=v["bytes_per_value"],
+                                                                context=v["context"]),
+        "max_sequences": fits,
+        "decode_step_s": step, "decode_step_bytes": step_bytes, "decode_step_flops": step_flops,
+        "weights_share_of_step_bytes": weight_bytes / step_bytes if step_bytes else 0.0,
+        "tokens_per_s_per_sequence": 1 / step, "tokens_per_s_total": v["batch"] / step,
+        "ridge_flops_per_byte": ridge, "decode_flops_per_byte": step_flops / step_bytes if step_bytes else 0.0,
+        "bound": "memory bandwidth" if step_bytes / bandwidth >= step_flops / peak else "compute",
+        "ttft_s": latency.ttft, "itl_s": latency.itl, "total_s": latency.total,
+    }
+
+
+def presets(model) -> dict:
+    """Model shapes for the form: the seed's two illustrative ones and the model this server runs."""
+    def shape(s: capacity.ModelShape) -> dict:
+        return {"name": s.name, "layers": s.layers, "kv_heads": s.kv_heads, "head_dim": s.head_dim,
+                "bytes_per_value": s.kv_bytes_per_value, "params": s.params, "weight_gb": s.weight_bytes / capacity.GB}
+    shapes = {key: shape(s) for key, s in capacity.SHAPES.items()}
+    shapes["served"] = shape(capacity.ModelShape.from_model(model))
+    return {"models": shapes, "hardware": SEED_HARDWARE, "defaults": {"context": 1000, "batch": 1,
+                                                                      "prompt_tokens": 2000, "output_tokens": 500}}
+
+
+# --- routes --------------------------------------------------------------------------------------------------------
+class Lab:
+    """The lab's routes over a Server (its EngineLoop, model and authorization)."""
+
+    def __init__(self, server):
+        self.server = server
+        self.replays: OrderedDict[str, Replay] = OrderedDict()    # request id -> replay, most recent last
+
+    def routes(self) -> list:
+        return [Route("/lab", self.page), Route("/lab/", self.page),
+                Route("/lab/api/engine", self.engine), Route("/lab/api/presets", self.presets),
+                Route("/lab/api/inspect", self.inspect, methods=["POST"]),
+                Route("/lab/api/capacity", self.capacity, methods=["POST"]),
+                Mount("/lab/static", StaticFiles(directory=STATIC), name="lab-static")]
+
+    async def on_engine_thread(self, fn, timeout: float = 120.0):
+        """fn(engine), run on the engine thread between two steps."""
+        loop = self.server.loop
+        if loop.error is not None:
+            raise APIError(500, f"the engine could not start: {loop.error!r}")
+        if not loop.ready.is_set():
+            raise APIError(503, "the engine is still warming up (compiling its kernels): try again in a moment")
+        future = asyncio.get_running_loop().create_future()
+        loop.call(fn, asyncio.get_running_loop(), future)
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            raise APIError(504, f"the engine thread did not answer within {timeout:g} s") from None
+
+    async def page(self, request: HTTPRequest) -> Response:
+        return FileResponse(STATIC / "lab.html", headers={"Cache-Control": "no-cache"})
+
+    async def engine(self, request: HTTPRequest) -> Response:
+        self.server._authorize(request)
+        return JSONResponse(await self.on_engine_thread(engine_snapshot))     # waits out a replay, if one runs
+
+    async def presets(self, request: HTTPRequest) -> Response:
+        return JSONResponse(presets(self.server.model))
+
+    async def capacity(self, request: HTTPRequest) -> Response:
+        return JSONResponse(capacity_figures(capacity_inputs(await self.server._json(request))))
+
+    async def inspect(self, request: HTTPRequest) -> Response:
+        self.server._authorize(request)
+        body = await self.server._json(request)
+        rid, index, layer = body.get("request_id"), body.get("token"), body.get("layer")
+        if not isinstance(rid, str) or not rid:
+            raise APIError(400, "request_id must be the id of a finished request (the stream's id without its "
+                                "'cmpl-' or 'chatcmpl-' prefix)", "request_id")
+        for name, value in (("token", index), ("layer", layer)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise APIError(400, f"{name} must be an integer", name)
+        if index is None:
+            raise APIError(400, "token (the index of a generated token, from 0) is required", "token")
+        r = self.replays.get(rid)
+        if r is None:
+            r = await self.on_engine_thread(lambda engine: replay(engine, rid))
+            self.replays[rid] = r
+            while len(self.replays) > REPLAYS_KEPT:
+                self.replays.popitem(last=False)
+        self.replays.move_to_end(rid)
+        return JSONResponse(await asyncio.to_thread(inspect_token, r, index, layer))

@@ -1,0 +1,611 @@
+// The tinyllm inference lab. Plain JavaScript, no library: each section of the page has its own block below.
+// It talks to this server only: the OpenAI API (/v1/...) to generate, /lab/api/... for the engine's inside,
+// /metrics for the Prometheus figures.
+"use strict";
+
+// --- small helpers ---------------------------------------------------------------------------------------------
+const $ = (id) => document.getElementById(id);
+
+function el(tag, attrs = {}, text) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (k === "class") e.className = v; else if (k === "style") e.style.cssText = v; else e.setAttribute(k, v);
+  }
+  if (text !== undefined) e.textContent = text;
+  return e;
+}
+
+// Show whitespace so that a token made of spaces or a newline is still visible in a box.
+const visible = (s) => s.replace(/ /g, "\u2423").replace(/\n/g, "\u21b5").replace(/\t/g, "\u21e5") || "\u00b7";
+
+function ms(seconds) {
+  if (seconds === null || seconds === undefined || !isFinite(seconds)) return "–";
+  return seconds < 1 ? `${(seconds * 1e3).toFixed(1)} ms` : `${seconds.toFixed(2)} s`;
+}
+
+function bytes(n) {  // binary units, as the seed writes KV sizes (512 KiB, 2.00 GiB)
+  const units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+  let i = 0;
+  while (Math.abs(n) >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return `${Number.isInteger(n) ? n : n.toFixed(2)} ${units[i]}`;
+}
+
+const pct = (x) => `${(100 * x).toFixed(x < 0.001 && x > 0 ? 3 : 1)}%`;
+
+// Every request gets its own colour, in order of first sight, shared by all views.
+const PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#b07aa1", "#76b7b2", "#edc948", "#9c755f",
+                 "#ff9da7", "#86bcb6", "#d37295", "#8cd17d", "#499894", "#f1ce63", "#a0cbe8", "#fabfd2"];
+const colours = new Map();
+const labels = new Map();       // request id -> "A", "B", ... for requests sent from this page
+function colourOf(id) {
+  const base = id.split("/")[0];                 // samples of one request (id/1, id/2) share its colour
+  if (!colours.has(base)) colours.set(base, PALETTE[colours.size % PALETTE.length]);
+  return colours.get(base);
+}
+function labelOf(id) {
+  const [base, sample] = id.split("/");
+  const name = labels.get(base) || base.slice(0, 6);
+  return sample ? `${name}/${sample}` : name;
+}
+
+// --- talking to the server: the API key (if the server has one) and JSON calls ---------------------------------
+function headers() {
+  const h = { "Content-Type": "application/json" };
+  const key = localStorage.getItem("tinyllm-api-key");
+  if (key) h.Authorization = `Bearer ${key}`;
+  return h;
+}
+
+async function api(path, body) {
+  const r = await fetch(path, body === undefined ? { headers: headers() }
+                                                 : { method: "POST", headers: headers(), body: JSON.stringify(body) });
+  if (r.status === 401) $("key-bar").hidden = false;
+  const data = await r.json().catch(() => ({}));             // an error page may not be JSON
+  if (!r.ok) throw new Error(data.error ? data.error.message : `HTTP ${r.status}`);
+  return data;
+}
+
+$("key-save").addEventListener("click", () => {
+  localStorage.setItem("tinyllm-api-key", $("api-key").value);
+  $("key-bar").hidden = true;
+});
+
+// Stream a completion (OpenAI server-sent events); onChunk gets every decoded JSON chunk.
+async function streamCompletion(body, chat, onChunk, signal) {
+  const r = await fetch(chat ? "/v1/chat/completions" : "/v1/completions",
+                        { method: "POST", headers: headers(), body: JSON.stringify({ ...body, stream: true }), signal });
+  if (!r.ok) {
+    if (r.status === 401) $("key-bar").hidden = false;
+    const err = await r.json().catch(() => ({}));
+    throw new Error(err.error ? err.error.message : `HTTP ${r.status}`);
+  }
+  const reader = r.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buffer += decoder.decode(value, { stream: true });
+    let cut;
+    while ((cut = buffer.indexOf("\n\n")) >= 0) {          // one event per blank-line-terminated block
+      const line = buffer.slice(0, cut).trim();
+      buffer = buffer.slice(cut + 2);
+      if (!line.startsWith("data: ")) continue;
+      const data = line.slice(6);
+      if (data === "[DONE]") return;
+      const chunk = JSON.parse(data);
+      if (chunk.error) throw new Error(chunk.error.message);
+      onChunk(chunk, performance.now());
+    }
+  }
+}
+
+// The prompt as the chosen mode sends it: chat messages (the server applies the chat template) or plain text.
+function promptBody(text, chat) {
+  return chat ? { messages: [{ role: "user", content: text }] } : { prompt: text };
+}
+
+// One streamed chunk -> its token (text and logprobs) or null when it carries no token (the end, an eos).
+function chunkToken(chunk, chat) {
+  const c = chunk.choices && chunk.choices[0];
+  if (!c || !c.logprobs) return null;                        // only token-bearing chunks have logprobs
+  if (chat) {
+    const item = c.logprobs.content[0];
+    return { text: c.delta.content || "", token: item.token, logprob: item.logprob,
+             top: item.top_logprobs.map((t) => [t.token, t.logprob]) };
+  }
+  return { text: c.text, token: c.logprobs.tokens[0], logprob: c.logprobs.token_logprobs[0],
+           top: Object.entries(c.logprobs.top_logprobs[0]) };
+}
+
+// --- 1. Generate -------------------------------------------------------------------------------------------------
+const gen = { requestId: null, boxes: [], times: [], start: 0, promptTokens: 0, abort: null };
+
+function samplingBody() {
+  const num = (id) => Number($(id).value);
+  return { max_tokens: num("max-tokens"), temperature: num("temperature"), top_k: num("top-k"), top_p: num("top-p"),
+           min_p: num("min-p"), repetition_penalty: num("rep-penalty"), seed: num("seed") };
+}
+
+// Colour of an inter-token latency relative to the run's median: green near it, red at 4x and more.
+function latencyColour(gap, median) {
+  const r = Math.min(Math.max(Math.log2(gap / median), 0) / 2, 1);   // 0 at <= median, 1 at >= 4x
+  return `hsl(${120 - 120 * r}, 60%, ${82 - 12 * r}%)`;
+}
+
+function median(xs) {
+  const s = [...xs].sort((a, b) => a - b);
+  return s.length ? s[Math.floor(s.length / 2)] : 0;
+}
+
+function renderGenStats(final) {
+  const t = gen.times, n = t.length;
+  const gaps = t.slice(1).map((x, i) => (x - t[i]) / 1e3);
+  const ttft = n ? (t[0] - gen.start) / 1e3 : null;
+  const decodeTime = n > 1 ? (t[n - 1] - t[0]) / 1e3 : 0;
+  $("st-ttft").textContent = ms(ttft);
+  $("st-itl").textContent = gaps.length ? ms(gaps.reduce((a, b) => a + b, 0) / gaps.length) : "–";
+  $("st-decode").textContent = gaps.length ? `${(gaps.length / decodeTime).toFixed(1)} tok/s` : "–";
+  $("st-prefill").textContent = gen.promptTokens && ttft
+    ? `${gen.promptTokens} tok in ${ms(ttft)} = ${(gen.promptTokens / ttft).toFixed(0)} tok/s` : "–";
+  $("st-tokens").textContent = `${n}${final ? "" : "…"}`;
+  const total = (ttft || 0) + decodeTime;
+  $("split-prefill").style.width = total ? `${(100 * (ttft || 0)) / total}%` : "0";
+  $("split-decode").style.width = total ? `${(100 * decodeTime) / total}%` : "0";
+  // recolour every box against the current median gap
+  const m = median(gaps);
+  gen.boxes.forEach((box, i) => {
+    if (i === 0) { box.style.background = "#cfd8e3"; return; }
+    box.style.background = latencyColour(gaps[i - 1], m || 1);
+  });
+  $("itl-legend").innerHTML = m
+    ? `<span class="sw" style="background:#cfd8e3"></span> first token (after prefill) ` +
+      `<span class="sw" style="background:${latencyColour(m, m)}"></span> ≤ median gap ${ms(m)} ` +
+      `<span class="sw" style="background:${latencyColour(2 * m, m)}"></span> 2× ` +
+      `<span class="sw" style="background:${latencyColour(4 * m, m)}"></span> ≥ 4×`
+    : "";
+}
+
+function addTokenBox(tok, at) {
+  const i = gen.boxes.length;
+  const box = el("button", { class: "tok", "data-index": String(i), "data-text": tok.text }, visible(tok.token));
+  const gap = i ? ms((at - gen.times[i - 1]) / 1e3) : `${ms((at - gen.start) / 1e3)} (first token)`;
+  const alts = tok.top.map(([t, lp]) => `${JSON.stringify(t)} ${(100 * Math.exp(lp)).toFixed(1)}%`).join(", ");
+  box.title = `token ${i}: ${JSON.stringify(tok.token)}\nafter ${gap}\np = ${(100 * Math.exp(tok.logprob)).toFixed(1)}%` +
+              `\nmost likely: ${alts}\nclick to look inside`;
+  box.addEventListener("click", () => inspect(i));
+  $("tokens").appendChild(box);
+  gen.boxes.push(box);
+  gen.times.push(at);
+}
+
+async function runGeneration() {
+  const chat = document.querySelector("input[name=mode]:checked").value === "chat";
+  Object.assign(gen, { requestId: null, boxes: [], times: [], promptTokens: 0, chat });
+  $("tokens").textContent = "";
+  $("gen-text").textContent = "";
+  delete $("gen-text").dataset.done;                          // set again when this run ends (the tests wait on it)
+  $("inside-body").hidden = true;                             // the previous run's token is no longer on the page
+  $("inside-empty").textContent = "No token selected yet.";
+  $("inside-empty").hidden = false;
+  $("gen-error").hidden = true;
+  $("go").disabled = true;
+  $("stop").disabled = false;
+  const controller = new AbortController();
+  gen.abort = controller;
+  const body = { ...promptBody($("prompt").value, chat), ...samplingBody(), stream_options: { include_usage: true },
+                 ...(chat ? { logprobs: true, top_logprobs: 3 } : { logprobs: 3 }) };
+  gen.start = performance.now();
+  try {
+    await streamCompletion(body, chat, (chunk, at) => {
+      gen.requestId = chunk.id.slice(chunk.id.indexOf("-") + 1);     // "chatcmpl-<id>" -> the engine's id
+      if (chunk.usage) { gen.promptTokens = chunk.usage.prompt_tokens; return; }
+      const tok = chunkToken(chunk, chat);
+      if (!tok) return;
+      $("gen-text").textContent += tok.text;
+      addTokenBox(tok, at);
+      renderGenStats(false);
+    }, controller.signal);
+  } catch (e) {
+    if (e.name !== "AbortError") { $("gen-error").textContent = e.message; $("gen-error").hidden = false; }
+  } finally {
+    renderGenStats(true);
+    $("go").disabled = false;
+    $("stop").disabled = true;
+    $("gen-text").dataset.done = "true";
+  }
+}
+
+$("go").addEventListener("click", runGeneration);
+$("stop").addEventListener("click", () => gen.abort && gen.abort.abort());
+
+// --- 2. Look inside a token -------------------------------------------------------------------------------------
+const inside = { index: null, data: null };
+
+async function inspect(index, layer) {
+  if (!gen.requestId) return;
+  inside.index = index;
+  gen.boxes.forEach((b, i) => b.classList.toggle("selected", i === index));
+  $("inside-error").hidden = true;
+  $("inside-empty").textContent = "Replaying the request with a trace… (other requests pause meanwhile)";
+  $("inside-empty").hidden = false;
+  try {
+    const body = { request_id: gen.requestId, token: index };
+    if (layer !== undefined) body.layer = layer;
+    inside.data = await api("/lab/api/inspect", body);
+    $("inside-empty").hidden = true;
+    renderInside();
+    if (layer === undefined) $("inside").scrollIntoView({ behavior: "smooth" });
+  } catch (e) {
+    $("inside-empty").hidden = true;
+    $("inside-error").textContent = e.message;
+    $("inside-error").hidden = false;
+  }
+}
+
+// A colour for an attention weight or probability p in [0, 1] (white -> deep blue; sqrt shows small values).
+const heat = (p) => `rgba(37, 99, 235, ${Math.sqrt(Math.max(0, p)).toFixed(3)})`;
+
+function fillSelect(select, n, value, extra) {
+  select.textContent = "";
+  if (extra) select.appendChild(el("option", { value: extra }, extra));
+  for (let i = 0; i < n; i++) select.appendChild(el("option", { value: String(i) }, String(i)));
+  select.value = String(value);
+}
+
+function renderInside() {
+  const d = inside.data;
+  $("inside-body").hidden = false;
+  $("in-index").textContent = String(d.token_index);
+  $("in-token").textContent = JSON.stringify(d.token.text);
+  $("in-pos").textContent = String(d.position);
+  const rep = $("in-replay");
+  rep.textContent = d.replay.matches
+    ? `replay matched the stream: all ${d.replay.streamed} tokens`
+    : `replay differs from the stream from token ${d.replay.first_difference} (a near-tie in the logits)`;
+  rep.className = `badge ${d.replay.matches ? "ok" : "warn"}`;
+  rep.dataset.matches = String(d.replay.matches);
+  const keepHead = $("in-head").value || "average";
+  fillSelect($("in-layer"), d.n_layers, d.layer);
+  fillSelect($("in-head"), d.n_heads, keepHead, "average");
+  renderAttention();
+  renderLens(d);
+  renderStages(d);
+}
+
+function renderAttention() {
+  const d = inside.data, head = $("in-head").value;
+  const row = head === "average" ? d.attention.average : d.attention.heads[Number(head)];
+  const text = $("att-row");
+  text.textContent = "";
+  row.forEach((p, j) => {
+    const span = el("span", { class: j < d.prompt_len ? "att prompt" : "att", "data-p": String(p),
+                              style: `background:${heat(p)}` }, visible(d.tokens[j]));
+    span.title = `position ${j}: ${(100 * p).toFixed(2)}%`;
+    text.appendChild(span);
+  });
+  text.dataset.head = head;
+  // every head as one strip, and their average
+  const strips = $("att-heads");
+  strips.textContent = "";
+  const rows = d.attention.heads.map((r, h) => [String(h), `head ${h} (KV ${Math.floor(h / (d.n_heads / d.n_kv_heads))})`, r]);
+  rows.push(["average", "average", d.attention.average]);
+  for (const [key, name, r] of rows) {
+    const line = el("div", { class: key === head ? "strip current" : "strip" });
+    line.appendChild(el("span", { class: "strip-name" }, name));
+    const cells = el("span", { class: "strip-cells" });
+    r.forEach((p, j) => {
+      const c = el("span", { class: "cell", style: `background:${heat(p)}` });
+      c.title = `${name}, position ${j} ${JSON.stringify(d.tokens[j])}: ${(100 * p).toFixed(2)}%`;
+      cells.appendChild(c);
+    });
+    line.appendChild(cells);
+    line.addEventListener("click", () => {
+      $("in-head").value = key;
+      renderAttention();
+    });
+    strips.appendChild(line);
+  }
+}
+
+function renderLens(d) {
+  const table = $("lens");
+  table.textContent = "";
+  const head = el("tr");
+  ["layer", "1st", "2nd", "3rd"].forEach((h) => head.appendChild(el("th", {}, h)));
+  table.appendChild(head);
+  for (const row of d.lens) {
+    const tr = el("tr");
+    tr.appendChild(el("td", { class: "num" }, String(row.layer)));
+    for (const t of row.top) {
+      const td = el("td", { class: t.id === d.token.id ? "lens-cell hit" : "lens-cell",
+                            style: `background:${heat(t.prob)}` });
+      td.textContent = `${visible(t.text)} ${(100 * t.prob).toFixed(1)}%`;
+      tr.appendChild(td);
+    }
+    table.appendChild(tr);
+  }
+}
+
+function renderStages(d) {
+  const box = $("stages");
+  box.textContent = "";
+  for (const st of d.sampling.stages) {
+    const div = el("div", { class: "stage" });
+    div.appendChild(el("div", { class: "stage-name" }, st.stage));
+    for (const t of st.top.slice(0, 6)) {
+      if (t.prob <= 0) continue;
+      const line = el("div", { class: t.id === d.sampling.token ? "cand chosen-cand" : "cand" });
+      line.appendChild(el("span", { class: "cand-text" }, visible(t.text)));
+      const bar = el("span", { class: "bar" });
+      bar.appendChild(el("span", { class: "bar-fill", style: `width:${(100 * t.prob).toFixed(1)}%` }));
+      line.appendChild(bar);
+      line.appendChild(el("span", { class: "num" }, `${(100 * t.prob).toFixed(1)}%`));
+      div.appendChild(line);
+    }
+    box.appendChild(div);
+  }
+  box.appendChild(el("p", { class: "hint" },
+    `Drawn: ${JSON.stringify(d.token.text)} with probability ${(100 * d.sampling.prob).toFixed(1)}% in the last stage.`));
+}
+
+$("in-head").addEventListener("change", renderAttention);
+$("in-layer").addEventListener("change", () => inspect(inside.index, Number($("in-layer").value)));
+
+// --- 3. The engine ------------------------------------------------------------------------------------------------
+const QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "Why is the sky blue?",
+                   "Write a haiku about the sea.", "What is 12 times 7?", "Give me a tip for learning to code.",
+                   "What do bees make?", "Describe a cat in one sentence."];
+let nextLabel = 0;
+
+function sendMany(count, maxTokens, n) {
+  for (let i = 0; i < count; i++) {
+    const label = String.fromCharCode(65 + (nextLabel++ % 26));
+    const body = { messages: [{ role: "user", content: QUESTIONS[i % QUESTIONS.length] }], max_tokens: maxTokens,
+                   temperature: n > 1 ? 0.8 : 0, seed: 0, n };
+    streamCompletion(body, true, (chunk) => {
+      const id = chunk.id.slice(chunk.id.indexOf("-") + 1);
+      if (!labels.has(id)) labels.set(id, label);
+    }).catch((e) => console.warn(`request ${label}: ${e.message}`));
+  }
+}
+
+$("eng-send").addEventListener("click", () => sendMany(Number($("eng-n").value), Number($("eng-max").value), 1));
+$("eng-samples").addEventListener("click", () => sendMany(1, Number($("eng-max").value), 3));
+
+function renderPool(snap) {
+  const pool = $("pool"), p = snap.pool;
+  if (pool.children.length !== snap.blocks.length) {        // build the grid once, then only recolour it
+    pool.textContent = "";
+    snap.blocks.forEach(() => pool.appendChild(el("span", { class: "block" })));
+  }
+  let shared = 0, cached = 0;
+  snap.blocks.forEach((b, i) => {
+    const cell = pool.children[i];
+    cell.dataset.state = b.state;
+    cell.dataset.owners = b.owners.join(",");
+    cell.className = `block ${b.state}`;
+    if (b.state === "used") cell.style.background = colourOf(b.owners[0]);
+    else if (b.state === "shared") {                        // stripes: one colour per owner
+      const cs = [...new Set(b.owners.map(colourOf))];
+      cell.style.background = cs.length > 1
+        ? `repeating-linear-gradient(45deg, ${cs.map((c, k) => `${c} ${k * 4}px ${(k + 1) * 4}px`).join(", ")})`
+        : cs[0];
+      shared++;
+    } else cell.style.background = "";
+    if (b.state === "cached") cached++;
+    cell.title = `block ${i}: ${b.state}${b.owners.length ? ` — ${b.owners.map(labelOf).join(", ")}` : ""}` +
+                 `${b.prefix ? " (in the prefix cache)" : ""}`;
+  });
+  $("pool-summary").textContent = `${p.num_used} of ${p.num_blocks} blocks in use (${pct(p.num_used / p.num_blocks)}), ` +
+    `${shared} shared, ${cached} cached · one block = ${p.block_size} positions = ${bytes(p.bytes_per_block)}`;
+}
+
+function requestCard(r) {
+  const card = el("div", { class: "card", "data-id": r.id });
+  card.style.borderLeftColor = colourOf(r.id);
+  const total = r.prompt_tokens + r.output_tokens;
+  card.appendChild(el("div", { class: "card-head" },
+    `${labelOf(r.id)}${r.slot !== null ? ` · slot ${r.slot}` : ""} · ${r.blocks.length} blocks` +
+    `${r.cached_tokens ? ` · ${r.cached_tokens} prompt tokens from the prefix cache` : ""}` +
+    `${r.preemptions ? ` · preempted ${r.preemptions}×` : ""}`));
+  const bar = el("div", { class: "progress" });
+  bar.appendChild(el("span", { class: "progress-prompt",
+                               style: `width:${(100 * Math.min(r.computed, r.prompt_tokens)) / (r.prompt_tokens + r.max_tokens)}%` }));
+  bar.appendChild(el("span", { class: "progress-output",
+                               style: `width:${(100 * r.output_tokens) / (r.prompt_tokens + r.max_tokens)}%` }));
+  card.appendChild(bar);
+  card.appendChild(el("div", { class: "card-text" },
+    `prompt ${r.prompt_tokens} · output ${r.output_tokens}/${r.max_tokens} · KV of ${Math.min(r.computed, total)} ` +
+    `positions` +
+    `${r.text ? ` · “…${r.text.slice(-40)}”` : ""}`));
+  return card;
+}
+
+function renderQueues(snap) {
+  for (const name of ["running", "waiting"]) {
+    const box = $(name);
+    box.textContent = "";
+    snap[name].forEach((r) => box.appendChild(requestCard(r)));
+    if (!snap[name].length) box.appendChild(el("div", { class: "hint" }, "none"));
+    $(`${name}-count`).textContent = `(${snap[name].length}${name === "running" ? ` of ${snap.scheduler.max_num_seqs} slots` : ""})`;
+  }
+}
+
+function renderTimeline(snap) {
+  const box = $("timeline");
+  box.textContent = "";
+  const used = snap.timeline.flatMap((s) => Object.keys(s.slots).map(Number));
+  const slots = Math.max(4, ...used.map((s) => s + 1));
+  for (let slot = 0; slot < slots; slot++) {
+    const row = el("div", { class: "tl-row" });
+    row.appendChild(el("span", { class: "tl-name" }, `slot ${slot}`));
+    for (const step of snap.timeline) {
+      const c = step.slots[slot];
+      const cell = el("span", { class: c ? (c.token ? "tl-cell tok" : "tl-cell pre") : "tl-cell" });
+      if (c) {
+        cell.style.background = colourOf(c.id);
+        cell.title = `${labelOf(c.id)}: ${c.token ? "a token" : "prompt (prefill) only"} · step of ${step.tokens} ` +
+                     `tokens, ${ms(step.duration)}, ${ms(step.ago)} ago`;
+      }
+      row.appendChild(cell);
+    }
+    box.appendChild(row);
+  }
+  if (!snap.timeline.length) box.appendChild(el("div", { class: "hint" }, "no steps yet"));
+}
+
+async function pollEngine() {
+  try {
+    const snap = await api("/lab/api/engine");
+    renderPool(snap);
+    renderQueues(snap);
+    renderTimeline(snap);
+    $("status").textContent = snap.running.length ? `running ${snap.running.length}` : "idle";
+    $("status").className = "badge ok";
+  } catch (e) {
+    $("status").textContent = e.message.includes("warming up") ? "warming up…" : "engine unavailable";
+    $("status").className = "badge warn";
+  }
+  setTimeout(pollEngine, document.hidden ? 2000 : 300);
+}
+
+// The Prometheus text format: one "name{labels} value" per line; keep the lab's few figures.
+const METRICS = [
+  ["tinyllm:num_requests_running", "requests running"], ["tinyllm:num_requests_waiting", "requests waiting"],
+  ["tinyllm:kv_cache_usage_perc", "KV cache usage (fraction of blocks)"],
+  ["tinyllm:prompt_tokens_total", "prompt tokens"], ["tinyllm:generation_tokens_total", "generated tokens"],
+  ["tinyllm:prefix_cache_hits_total", "prefix cache hits (tokens)"],
+  ["tinyllm:prefix_cache_queries_total", "prefix cache lookups (tokens)"],
+  ["tinyllm:num_preemptions_total", "preemptions"],
+  ["tinyllm:time_to_first_token_seconds", "mean time to first token"],
+  ["tinyllm:inter_token_latency_seconds", "mean inter-token latency"],
+];
+
+function parsePrometheus(text) {
+  const values = {};
+  for (const line of text.split("\n")) {
+    if (!line || line.startsWith("#")) continue;
+    const m = line.match(/^([^{\s]+)(\{[^}]*\})?\s+(\S+)/);
+    if (m) values[m[1]] = (values[m[1]] || 0) + Number(m[3]);   // summed over label sets
+  }
+  return values;
+}
+
+async function pollMetrics() {
+  try {
+    const r = await fetch("/metrics");
+    const v = parsePrometheus(await r.text());
+    const table = $("metrics");
+    table.textContent = "";
+    for (const [name, what] of METRICS) {
+      let value = v[name];
+      if (v[`${name}_count`] !== undefined) {                // a histogram: show its mean
+        const n = v[`${name}_count`];
+        value = n ? ms(v[`${name}_sum`] / n) : "–";
+      } else if (value === undefined) value = "–";
+      else if (name.endsWith("_perc")) value = pct(value);
+      const tr = el("tr");
+      tr.appendChild(el("td", {}, what));
+      tr.appendChild(el("td", { class: "num" }, String(value)));
+      tr.appendChild(el("td", { class: "muted" }, name));
+      table.appendChild(tr);
+    }
+  } catch (e) { /* the engine view shows the server's state */ }
+  setTimeout(pollMetrics, document.hidden ? 5000 : 500);
+}
+
+// --- 4. The arithmetic ------------------------------------------------------------------------------------------------
+let presets = null;
+const form = $("calc");
+
+function applyPreset(key) {
+  const shape = presets.models[key];
+  for (const [k, v] of Object.entries({ ...shape, ...presets.hardware, ...presets.defaults })) {
+    if (form.elements[k]) form.elements[k].value = String(v);
+  }
+}
+
+function calcValues() {
+  const body = {};
+  for (const input of form.querySelectorAll("input, select[name]")) body[input.name] = Number(input.value);
+  return body;
+}
+
+const CALC_ROWS = [
+  ["KV cache per token", (r) => bytes(r.kv_bytes_per_token), "2 (K and V) × layers × KV heads × head dim × bytes"],
+  ["KV cache per sequence", (r) => bytes(r.kv_bytes_per_sequence), "per token × context"],
+  ["sequences that fit", (r) => String(r.max_sequences), "(memory × usable − weights) ÷ KV per sequence"],
+  ["bytes read per decode step", (r) => bytes(r.decode_step_bytes),
+   "every weight once + batch × context × KV per token"],
+  ["of which weights", (r) => pct(r.weights_share_of_step_bytes), "the share the whole batch shares"],
+  ["decode step (ITL)", (r) => ms(r.decode_step_s), "max(bytes ÷ bandwidth, FLOPs ÷ peak): the roofline"],
+  ["bound by", (r) => r.bound, "decode FLOPs per byte vs the ridge point"],
+  ["FLOPs per byte: decode / ridge", (r) => `${r.decode_flops_per_byte.toFixed(2)} / ${r.ridge_flops_per_byte.toFixed(0)}`,
+   "under the ridge: memory-bound"],
+  ["tokens/s per user", (r) => r.tokens_per_s_per_sequence.toFixed(0), "1 ÷ ITL"],
+  ["tokens/s, whole batch", (r) => r.tokens_per_s_total.toFixed(0), "batch ÷ ITL"],
+  ["time to first token", (r) => ms(r.ttft_s), "the prompt's prefill on the roofline (no queueing)"],
+  ["whole request", (r) => ms(r.total_s), "TTFT + (output tokens − 1) × ITL"],
+];
+
+// A value the form itself knows is wrong (empty, under its minimum) is reported here, without a server round trip.
+function formProblem() {
+  const bad = [...form.elements].find((e) => e.name && !e.checkValidity());
+  if (!bad) return null;
+  const what = bad.closest("label").firstChild.textContent.trim();
+  return `${what}: ${bad.validationMessage}`;
+}
+
+let calcTimer = null;
+async function recalc() {
+  const problem = formProblem();
+  if (problem) {
+    $("calc-error").textContent = problem;
+    $("calc-error").hidden = false;
+    return;
+  }
+  try {
+    const r = await api("/lab/api/capacity", calcValues());
+    $("calc-error").hidden = true;
+    const table = $("calc-out");
+    table.textContent = "";
+    for (const [name, fmt, how] of CALC_ROWS) {
+      const tr = el("tr", { "data-row": name });
+      tr.appendChild(el("td", {}, name));
+      tr.appendChild(el("td", { class: "num big" }, fmt(r)));
+      tr.appendChild(el("td", { class: "muted" }, how));
+      table.appendChild(tr);
+    }
+  } catch (e) {
+    $("calc-error").textContent = e.message;
+    $("calc-error").hidden = false;
+  }
+}
+
+form.addEventListener("input", () => { clearTimeout(calcTimer); calcTimer = setTimeout(recalc, 120); });
+$("calc-preset").addEventListener("change", () => { applyPreset($("calc-preset").value); recalc(); });
+
+async function initCalculator() {
+  presets = await api("/lab/api/presets");
+  for (const [key, shape] of Object.entries(presets.models)) {
+    $("calc-preset").appendChild(el("option", { value: key }, key === "served" ? `this server: ${shape.name}` : shape.name));
+  }
+  applyPreset("7b");
+  await recalc();
+}
+
+// --- start ------------------------------------------------------------------------------------------------------
+async function init() {
+  document.querySelectorAll(".origin").forEach((e) => { e.textContent = location.origin; });
+  try {
+    const models = await api("/v1/models");
+    $("model-name").textContent = models.data[0].id;
+  } catch (e) { /* shown by the status badge */ }
+  pollEngine();
+  pollMetrics();
+  await initCalculator();
+  document.body.dataset.ready = "true";
+}
+
+init();
