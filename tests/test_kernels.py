@@ -167,12 +167,12 @@ def test_decode_attention_matches_numpy(S, H, KVH, Dh):
     np.testing.assert_allclose(kernels.attention(q, k, v, S - 1), want, atol=1e-5)
 
 
-@pytest.mark.parametrize("T, start", [(2, 0), (5, 7), (16, 40), (17, 0), (4, 300)])
-@pytest.mark.parametrize("H, KVH, Dh", [(9, 3, 64), (4, 4, 8)])
+@pytest.mark.parametrize("T, start", [(2, 0), (5, 7), (16, 40), (17, 0), (4, 300), (37, 63), (128, 1000)])
+@pytest.mark.parametrize("H, KVH, Dh", [(9, 3, 64), (4, 4, 8), (6, 2, 6)])
 def test_causal_attention_matches_numpy(T, start, H, KVH, Dh):
     """Several query tokens (a prompt chunk, a speculative verification) after `start` cached positions: up to
-    FEW_TOKENS the flash-decoding kernel (with chunks that a token sees in part or not at all), more the causal
-    kernel."""
+    FEW_TOKENS the flash-decoding kernel (with chunks that a token sees in part or not at all), more the tiled
+    kernel (query blocks of 16 and key blocks of 64 cut anywhere, a head size that is not a multiple of 4)."""
     q = RNG.normal(size=(T, H, Dh)).astype(np.float32)
     k = RNG.normal(size=(start + T, KVH, Dh)).astype(np.float32)
     v = RNG.normal(size=(start + T, KVH, Dh)).astype(np.float32)

@@ -59,6 +59,29 @@ def test_chunked_prefill_matches_one_prefill(model):
     np.testing.assert_allclose(c1.k, c2.k, atol=1e-4)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_long_prompt_prefills_in_chunks_like_one_pass(arch):
+    """A prompt longer than the kernels' PREFILL_CHUNK goes through in chunks (each chunk's attention: the tiled
+    kernel against the cache so far); the logits and the cache equal the numpy reference's single pass."""
+    model, reference = random_model(arch, context_length=400), random_model(arch, context_length=400)
+    reference.backend = "numpy"
+    ids = np.random.default_rng(9).integers(0, 50, 300)
+    cache, reference_cache = model.new_cache(300), reference.new_cache(300)
+    np.testing.assert_allclose(model.prefill(ids, cache), reference.prefill(ids, reference_cache), atol=1e-4)
+    np.testing.assert_allclose(cache.k, reference_cache.k, atol=1e-4)
+    np.testing.assert_allclose(cache.v, reference_cache.v, atol=1e-4)
+    assert cache.length == 300 and model.ops.PREFILL_CHUNK < 300
+
+
+def test_prefill_that_does_not_fit_leaves_the_cache_as_it_was(model):
+    """A prompt larger than the room left fails before any chunk is written."""
+    cache = model.new_cache(20)
+    model.prefill([1, 2, 3], cache)
+    with pytest.raises(ValueError, match="KV cache full"):
+        model.prefill(list(range(1, 30)), cache)
+    assert cache.length == 3
+
+
 def test_decode_at_cache_length_s_equals_recompute(model):
     """Decoding at a long cache (S = 40) gives what a fresh no-cache pass over all 41 tokens gives."""
     ids = np.random.default_rng(3).integers(0, 50, 41)

@@ -138,12 +138,19 @@ class Transformer:
         return self.forward(ids, cache=None, trace=trace)
 
     def prefill(self, ids, cache: ContiguousKVCache, trace=None) -> np.ndarray:
-        """Run the prompt through in one pass, filling `cache`. -> [V] logits of the last prompt position.
+        """Run the prompt through, filling `cache`. -> [V] logits of the last prompt position.
 
-        Only the last position's logits are computed: the output head is V x D per row, and a prompt's other
-        rows would be thrown away.
+        A long prompt goes through in chunks of ops.PREFILL_CHUNK tokens (the kernels': each chunk's linears and
+        attention run in the Numba kernels, its activations stay cache-sized, and no [T, S] score matrix is ever
+        made; the numpy reference takes the prompt in one pass). Only the last position's logits are computed: the
+        output head is V x D per row, and a prompt's other rows would be thrown away.
         """
-        return self.forward(ids, cache=cache, last_only=True, trace=trace)[0]
+        ids = self._check_ids(ids)
+        self._check_room(len(ids), cache)                           # all or nothing: no chunk is cached if it fails
+        chunk = self.ops.PREFILL_CHUNK or len(ids)
+        for s in range(0, len(ids), chunk):
+            logits = self.forward(ids[s:s + chunk], cache=cache, last_only=True, trace=trace)[0]
+        return logits
 
     def decode_step(self, token_id: int, cache: ContiguousKVCache, trace=None) -> np.ndarray:
         """One new token at position cache.length, attending to everything cached. -> [V] logits"""
@@ -181,11 +188,7 @@ class Transformer:
         segments, row = [], 0
         for seq_ids, cache in zip(ids, caches):
             T, start = len(seq_ids), (0 if cache is None else cache.length)
-            if start + T > self.config.context_length:
-                raise ValueError(f"sequence of {start + T} tokens exceeds the model's context length "
-                                 f"{self.config.context_length}; shorten the prompt or generate fewer tokens")
-            if cache is not None:
-                cache.check_room(T)
+            self._check_room(T, cache)
             segments.append(Segment(slice(row, row + T), cache, start))
             row += T
         positions = np.concatenate([np.arange(s.start, s.start + s.n_tokens) for s in segments])   # [N]
@@ -251,6 +254,15 @@ class Transformer:
         if trace is not None and trace.records_layer(i):
             trace.record_layer(i, q, k, v, x_in, x_mid, x)
         return x
+
+    def _check_room(self, n_new: int, cache) -> None:
+        """A clear error if n_new more tokens would pass the model's context length or the cache's capacity."""
+        start = 0 if cache is None else cache.length
+        if start + n_new > self.config.context_length:
+            raise ValueError(f"sequence of {start + n_new} tokens exceeds the model's context length "
+                             f"{self.config.context_length}; shorten the prompt or generate fewer tokens")
+        if cache is not None:
+            cache.check_room(n_new)
 
     def _fusable(self, segments: list[Segment]) -> bool:
         """Can this pass run each block as one call: one sequence on a contiguous cache, through Llama blocks

@@ -132,6 +132,7 @@ def paged_attention(q: np.ndarray, k_blocks: np.ndarray, v_blocks: np.ndarray, b
 
 # --- how a forward pass runs: in numpy the same way for any number of rows (kernels/ decides by row count) ----
 FUSED_ROWS = 0      # no fused block here: every pass runs op by op (kernels.decode_block is the fused one)
+PREFILL_CHUNK = 0   # a prompt in one pass (the kernels take a long one in chunks: model.prefill)
 
 
 def for_rows(n_rows: int):

@@ -7,7 +7,8 @@ ops.py and a parity test (tests/test_kernels.py). The files, in the order a deco
     linear_kernels.py     matrix-vector and small matrix-matrix products for every weight format
     intdot.py             integer dot products (AVX-512 VNNI, in LLVM IR) with their written contract and plain twins
     pointwise.py          RMSNorm, RoPE, SwiGLU
-    attention_kernels.py  decode (flash-decoding), causal (prompts) and paged (PagedAttention) attention
+    attention_kernels.py  decode (flash-decoding), causal and paged (PagedAttention) attention
+    prefill_attention.py  prompt chunks against a long cache: query blocks x key blocks, online softmax
     block.py              a whole Llama block of a decode step as one compiled call
     blas.py               the ops of a pass too long for these kernels: BLAS sgemm and numpy attention
     numerics.py           compile options, a vectorisable exp, softmax
@@ -22,7 +23,7 @@ import sys
 from .. import ops
 from . import blas
 from .block import decode_block
-from .dispatch import FUSED_ROWS, SMALL_M, attention, linear, paged_attention, swiglu
+from .dispatch import FUSED_ROWS, PREFILL_CHUNK, SMALL_M, attention, linear, paged_attention, swiglu
 from .intdot import HAVE_VNNI
 from .pointwise import apply_rope, rmsnorm
 from .warmup import warmup, warmup_paged
@@ -30,7 +31,7 @@ from .warmup import warmup, warmup_paged
 layernorm, gelu_tanh, softmax, silu, rope_tables = ops.layernorm, ops.gelu_tanh, ops.softmax, ops.silu, ops.rope_tables
 
 __all__ = ["linear", "rmsnorm", "layernorm", "apply_rope", "swiglu", "gelu_tanh", "softmax", "silu", "rope_tables",
-           "attention", "paged_attention", "decode_block", "for_rows", "FUSED_ROWS", "HAVE_VNNI", "warmup",
+           "attention", "paged_attention", "decode_block", "for_rows", "FUSED_ROWS", "PREFILL_CHUNK", "HAVE_VNNI", "warmup",
            "warmup_paged"]
 
 

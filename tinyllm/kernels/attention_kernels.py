@@ -1,5 +1,5 @@
-"""Attention kernels: a few new tokens against a contiguous cache, a prompt against itself, and a batch of
-one-token queries against a paged cache. Each is the compiled twin of ops.attention or ops.paged_attention.
+"""Attention kernels: a few new tokens against a contiguous cache, and a batch of one-token queries against a paged
+cache (prompt chunks: prefill_attention.py). Each is the compiled twin of ops.attention or ops.paged_attention.
 
 Grouped-query attention throughout: query head h reads KV head h // G, so a K/V row read once serves the G query
 heads of its group (and every query token of the call) from L1; K and V are never copied or repeated.
@@ -88,38 +88,6 @@ def decode_attention(q, k, v, start, out):
             inv = np.float32(1.0) / total
             for j in range(Dh):
                 out[t, h, j] *= inv
-
-
-@njit(**PARALLEL)
-def causal_attention(q, k, v, start, out):
-    """q [T, H, Dh] at positions start .. start+T-1, k, v [S, KVH, Dh] (S = start + T) -> out [T, H, Dh].
-
-    For a prompt or a prompt chunk: one task per (query token, KV head); the token at position start+t sees
-    positions 0 .. start+t. The same arithmetic as the numpy twin's batched matmuls, kept in Numba so that BLAS's
-    threads stay out of a pass whose linears run in Numba (dispatch.py).
-    """
-    T, H, Dh = q.shape
-    KVH = k.shape[1]
-    G = H // KVH
-    scale = np.float32(1.0 / np.sqrt(Dh))
-    for task in prange(T * KVH):
-        t, kvh = task // KVH, task % KVH
-        n = start + t + 1                                        # positions this token may attend to
-        scores = np.empty((G, n), dtype=np.float32)             # [G, n]
-        for s in range(n):
-            for g in range(G):
-                acc = np.float32(0.0)
-                for j in range(Dh):
-                    acc += q[t, kvh * G + g, j] * k[s, kvh, j]
-                scores[g, s] = acc * scale
-        for g in range(G):
-            softmax_in_place(scores[g])
-            for j in range(Dh):
-                out[t, kvh * G + g, j] = 0.0
-            for s in range(n):
-                p = scores[g, s]
-                for j in range(Dh):
-                    out[t, kvh * G + g, j] += p * v[s, kvh, j]
 
 
 @njit(**PARALLEL)

@@ -2,12 +2,13 @@
 
     rows in the pass     linears                                 attention
     1 .. FEW_TOKENS      linear_kernels.py (see linear_into)     decode_attention (flash-decoding)
-    .. SMALL_M           linear_kernels.py                       causal_attention
+    .. SMALL_M           linear_kernels.py                       tiled_causal_attention (prefill_attention.py)
     more                 BLAS sgemm (blas.py)                    numpy (ops.attention)
 
-Past SMALL_M rows BLAS's sgemm is faster than the Numba kernels, and then everything else in the pass leaves Numba
-too: OpenBLAS's and Numba's threads would spin-wait on the same 2 cores and take turns (`for_rows` hands the model
-the ops of such a pass). A one-token step of a Llama block on a contiguous cache runs as one compiled call
+A prompt longer than SMALL_M tokens is prefilled in chunks of PREFILL_CHUNK (model.prefill), so it stays in the
+first two rows. Past SMALL_M rows in one pass (a batch of prompts, a no-cache pass) BLAS's sgemm is faster than
+the Numba kernels, and then everything else in the pass leaves Numba too: OpenBLAS's and Numba's threads would
+spin-wait on the same 2 cores and take turns (`for_rows` hands the model the ops of such a pass). A one-token step of a Llama block on a contiguous cache runs as one compiled call
 (block.py) for up to FUSED_ROWS tokens.
 """
 from __future__ import annotations
@@ -18,14 +19,16 @@ from numba.extending import overload
 
 from .. import ops
 from . import blas, intdot
-from .attention_kernels import causal_attention, decode_attention, paged_decode_attention
+from .attention_kernels import decode_attention, paged_decode_attention
 from .linear_kernels import (TILE_MIN_ROWS, linear_int8_a8, linear_q4, linear_q4_a8, linear_rows, linear_tiled,
                              round_rows, weight_arrays)
 from .pointwise import swiglu_into, swiglu_rows_into
+from .prefill_attention import tiled_causal_attention
 
 SMALL_M = 128     # up to this many rows the Numba linears beat BLAS (RESULTS.md, "Kernel design measurements")
 FEW_TOKENS = 16   # up to this many query tokens attention splits over positions (decode, verification)
 FUSED_ROWS = 0 if config.DISABLE_JIT else FEW_TOKENS   # the fused block needs compiled code (linear_into)
+PREFILL_CHUNK = SMALL_M   # a longer prompt is prefilled in chunks this long: every pass stays in these kernels
 
 
 # --- linear -----------------------------------------------------------------------------------------------------
@@ -92,7 +95,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
     out = np.empty((T, H, Dh), dtype=np.float32)                              # [T, H, Dh]
     # contiguous operands, one compiled version per kernel (without a cache v is a strided view of the qkv rows)
     q, k, v = np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v)
-    (decode_attention if T <= FEW_TOKENS else causal_attention)(q, k, v, start, out)
+    (decode_attention if T <= FEW_TOKENS else tiled_causal_attention)(q, k, v, start, out)
     return out.reshape(T, H * Dh)
 
 

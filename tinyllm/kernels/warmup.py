@@ -60,7 +60,7 @@ def warmup(weight_types=tuple(FORMATS), block_types=(), int8_inputs: bool = Fals
                 _done.add((t, a8, "block"))
         if "ops" not in _done:
             x = np.ones((1, BLOCK), dtype=np.float32)
-            for T in (2, FEW_TOKENS + 1):                           # decode_attention, then causal_attention
+            for T in (2, FEW_TOKENS + 1):                           # decode_attention, then tiled_causal_attention
                 kv = np.ones((T + 1, 1, 4), dtype=np.float32)
                 attention(np.ones((T, 2, 4), np.float32), kv, kv, 1)
             rmsnorm(x, x[0], 1e-5)
