@@ -277,12 +277,14 @@ from tinyllm.kernels import linear_kernels
 model = random_model("llama", context_length=64, dim=64, ffn_dim=64, quant="q4_1")
 compiled = {name for name, f in vars(linear_kernels).items() if isinstance(f, CPUDispatcher) and f.signatures}
 assert "linear_q4" in compiled and "linear_q4_a8" not in compiled and "linear_int8_a8" not in compiled, compiled
+assert "linear_rows" in compiled and "linear_tiled" not in compiled, compiled     # the 8-bit head: one row each
 """
 
 
 def test_a_model_compiles_only_its_own_kernels():
-    """A q4_1 model with float activations warms the 4-bit float kernels (and its 8-bit head's), not the integer
-    kernels of int8 activations: a first run compiles only what it will use."""
+    """A q4_1 model with float activations warms the 4-bit float kernels and its 8-bit head's one-row kernel (the
+    tiled one waits for a paged pool: batches), not the integer kernels of int8 activations: a first run compiles
+    only what it will use."""
     import subprocess
     import sys
     from pathlib import Path

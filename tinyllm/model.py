@@ -111,8 +111,7 @@ class Transformer:
         need, so that no step pays for it."""
         if self._backend == "numba":
             blocks = {type(w) for layer in self.layers for w in (layer.wqkv, layer.wo, layer.w_in, layer.w_out)}
-            self.jit_s += self.ops.warmup({type(w) for w in self._matrices()},
-                                          blocks if self._has_fusable_blocks else (), self._int8_inputs)
+            self.jit_s += self.ops.warmup(blocks, {type(self.lm_head)}, self._int8_inputs, self._has_fusable_blocks)
 
     @property
     def activations(self) -> str:

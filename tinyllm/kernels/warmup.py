@@ -39,24 +39,24 @@ def _warm_decode_block(fmt: str | None, int8_inputs: bool) -> None:
     BLOCKS[int8_inputs](x, norm, norm, *mats, intdot.USE_VNNI, kv, kv, 0, trig, trig, H, 1e-5)
 
 
-def warmup(weight_types=tuple(FORMATS), block_types=(), int8_inputs: bool = False) -> float:
-    """Compile (or load from Numba's cache) what a model needs: the linears of each weight class in `weight_types`
-    for its activations setting (int8_inputs), the fused block for the classes of its blocks' matrices
-    (`block_types`; none for a model that does not fuse), attention and the small ops. Nothing else: a first run
-    compiles only its own format. -> seconds it took."""
+def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False, fused: bool = True) -> float:
+    """Compile (or load from Numba's cache) what a model needs, and nothing else, so that a first run compiles only
+    its own format: for its blocks' weight classes (`matrix_types`) the one-row and the tiled linears and (if
+    `fused`) the one-call block; for its output head's class (`head_types`) the one-row linear (the head sees one
+    row per sequence: its tiled kernel waits for batches, warmup_paged); all for its activations setting
+    (int8_inputs); attention and the small ops. -> seconds it took."""
     t0 = time.perf_counter()
     with compile_notice(t0):
-        for t in weight_types:
+        for t in {*matrix_types, *head_types}:
             fmt = FORMATS[t]
             a8 = int8_inputs and fmt is not None                     # int8 activations meet quantized weights only
-            if (t, a8) not in _done:
-                for rows in (1, TILE_MIN_ROWS):                      # the one-row and the tiled kernels
+            batches = t in matrix_types or "paged" in _done
+            for rows in (1, TILE_MIN_ROWS) if batches else (1,):    # the one-row and the tiled kernels
+                if (t, a8, rows) not in _done:
                     linear(np.ones((rows, BLOCK), np.float32), _matrix(fmt, 2), int8_inputs=a8)
-                _done.add((t, a8))
-        for t in block_types:
-            a8 = int8_inputs and FORMATS[t] is not None
-            if FUSED_ROWS and (t, a8, "block") not in _done:
-                _warm_decode_block(FORMATS[t], a8)
+                    _done.add((t, a8, rows))
+            if fused and FUSED_ROWS and t in matrix_types and (t, a8, "block") not in _done:
+                _warm_decode_block(fmt, a8)
                 _done.add((t, a8, "block"))
         if "ops" not in _done:
             x = np.ones((1, BLOCK), dtype=np.float32)
@@ -95,14 +95,20 @@ def compile_notice(t0: float, after: float = NOTICE_AFTER_S):
 
 
 def warmup_paged() -> float:
-    """Compile (or load) the batched paged-attention kernel: PagedKVCache calls it when a pool is made, so only
-    users of a paged pool pay for it. -> seconds it took (0 if done already)."""
-    if "paged" in _done:
+    """Compile (or load) what batches need: the paged-attention kernel and the tiled linears of output heads
+    warmed so far for one row only. PagedKVCache calls it when a pool is made, so only users of a paged pool pay
+    for it. -> seconds it took (0 if done already)."""
+    one_row_only = [(t, a8) for t, a8, rows in [d for d in _done if len(d) == 3 and d[2] == 1]
+                    if (t, a8, TILE_MIN_ROWS) not in _done]
+    if "paged" in _done and not one_row_only:
         return 0.0
     t0 = time.perf_counter()
     blocks = np.ones((2, 2, 1, 4), dtype=np.float32)                # [NB, BS, KVH, Dh]
     with compile_notice(t0):
         paged_attention(np.ones((2, 2, 4), np.float32), blocks, blocks, np.zeros((2, 1), np.int32),
                         np.ones(2, np.int32))
+        for t, a8 in one_row_only:                                  # a head's tiled kernel: a batch's logits
+            linear(np.ones((TILE_MIN_ROWS, BLOCK), np.float32), _matrix(FORMATS[t], 2), int8_inputs=a8)
+            _done.add((t, a8, TILE_MIN_ROWS))
     _done.add("paged")
     return time.perf_counter() - t0
