@@ -16,7 +16,7 @@ random tokens), tg64@d2048 (64 decode steps after 2,048 cached tokens); with --l
 of 1 / 8 / 32 sequences of 128 prompt tokens, 64 steps each (llama-batched-bench's S_TG). Both sides use the same
 thread count (--threads, default 2) and alternate round by round; reported: the median tokens/s of each side and
 their ratio. llama.cpp keeps its default float16 KV cache; tinyllm uses float32 unless --kv-dtype says otherwise.
---write puts the table into benchmarks/RESULTS.md (between markers, replacing an earlier one) and the raw
+--write puts the table into benchmarks/RESULTS.md (replacing an earlier run's) and the raw
 figures into benchmarks/vs_llamacpp.json.
 """
 from __future__ import annotations
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -42,12 +41,14 @@ import tinyllm  # noqa: E402
 from tinyllm import hub  # noqa: E402
 from tinyllm.paged import PagedKVCache  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from report import machine_info, machine_line, replace_section  # noqa: E402
+
 # llama.cpp file type -> the tinyllm settings compared with it: (label, quant, activations)
 PAIRS = {"F32": [("fp32", None, "float32")],
          "Q8_0": [("int8-block+a8", "int8-block", "int8"), ("int8+a8", "int8", "int8")],
          "Q4_1": [("native+a8", "native", "int8")]}
 PROMPTS, GEN, DEPTH, BATCHES = (128, 512, 2048), 64, 2048, (1, 8, 32)
-MARK_BEGIN, MARK_END = "<!-- vs_llamacpp: begin -->", "<!-- vs_llamacpp: end -->"
 
 
 # --- llama.cpp's side ------------------------------------------------------------------------------------------
@@ -118,7 +119,7 @@ def tinyllm_tests(model, batched: bool) -> dict:
 
 # --- the run ---------------------------------------------------------------------------------------------------
 def markdown(results: dict, meta: dict) -> str:
-    lines = [MARK_BEGIN, "", f"Measured {meta['date']} on {meta['machine']}, {meta['threads']} threads each, "
+    lines = ["## Side by side with llama.cpp", "", f"Measured {meta['date']} on {meta['machine']}, {meta['threads']} threads each, "
              f"{meta['rounds']} alternating rounds: `{meta['command']}`. Median tokens/s of each side, and "
              "tinyllm / llama.cpp. llama.cpp: float16 KV cache; tinyllm: " + meta["kv"] + " KV cache.", "",
              "| llama.cpp file | tinyllm setting | test | llama.cpp tok/s | tinyllm tok/s | ratio |",
@@ -127,18 +128,7 @@ def markdown(results: dict, meta: dict) -> str:
         for label, tests in settings.items():
             for test, (theirs, ours) in tests.items():
                 lines.append(f"| {kind} | {label} | {test} | {theirs:,.0f} | {ours:,.0f} | {ours / theirs:.2f} |")
-    return "\n".join(lines + ["", MARK_END])
-
-
-def write_results(table: str) -> None:
-    path = ROOT / "benchmarks" / "RESULTS.md"
-    text = path.read_text()
-    if MARK_BEGIN in text:
-        head, rest = text.split(MARK_BEGIN, 1)
-        text = head + table + rest.split(MARK_END, 1)[1]
-    else:
-        text += "\n\n## Side by side with llama.cpp (`benchmarks/vs_llamacpp.py`)\n\n" + table + "\n"
-    path.write_text(text)
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -182,13 +172,12 @@ def main(argv=None) -> int:
                                         float(np.median([o[test] for o in runs]))) for test in theirs[0]}
                          for label, runs in ours.items()}
         del models
-    meta = dict(date=time.strftime("%Y-%m-%d"), machine=f"{platform.processor() or platform.machine()}, "
-                f"{os.cpu_count()} cores", threads=args.threads, rounds=args.rounds, kv=args.kv_dtype or "float32",
+    meta = dict(date=time.strftime("%Y-%m-%d"), machine=machine_line(machine_info()), threads=args.threads, rounds=args.rounds, kv=args.kv_dtype or "float32",
                 command="python benchmarks/vs_llamacpp.py " + " ".join(sys.argv[1:] if argv is None else argv))
     table = markdown(results, meta)
     print(table)
     if args.write:
-        write_results(table)
+        replace_section("vs-llamacpp", table)
         (ROOT / "benchmarks" / "vs_llamacpp.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
     return 0
 
