@@ -15,13 +15,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .numerics import PARALLEL, exp32
+from .numerics import PARALLEL, SERIAL, exp32
 
 QUERY_BLOCK = 16   # query tokens per task: with G heads per KV head, 48 rows share each K/V row read
 KEY_BLOCK = 64     # key positions per step: the block's K and V (2 x 64 x Dh floats) stay in L1
 
 
-@njit(fastmath=True, cache=True, inline="always")
+@njit(**SERIAL)
 def _products(a, b, out):
     """out[m, o] = sum_i a[m, i] * b[o, i] for a [M, I], b [O, I] with M and O multiples of 4: 4 x 4 tiles, 16
     sums in registers, each loaded value used 4 times."""
@@ -47,59 +47,64 @@ def _products(a, b, out):
 def tiled_causal_attention(q, k, v, start, out):
     """q [T, H, Dh] at positions start .. start+T-1; k, v [S, KVH, Dh] (S = start + T) -> out [T, H, Dh].
     Token t sees positions 0 .. start+t."""
-    T, H, Dh = q.shape
-    KVH = k.shape[1]
-    G = H // KVH
-    R = QUERY_BLOCK * G                                          # rows per task: r = (t - t0) * G + g
-    R4, Dh4 = (R + 3) // 4 * 4, (Dh + 3) // 4 * 4                # padded to whole tiles
-    scale = np.float32(1.0 / np.sqrt(Dh))
+    T, KVH = q.shape[0], k.shape[1]
     n_blocks = (T + QUERY_BLOCK - 1) // QUERY_BLOCK
     for task in prange(n_blocks * KVH):
         # the last query blocks see the most keys: handed out first, so the threads finish together
-        qb, kvh = n_blocks - 1 - task // KVH, task % KVH
-        t0, t1 = qb * QUERY_BLOCK, min(T, (qb + 1) * QUERY_BLOCK)
-        rows = np.zeros((R4, Dh), dtype=np.float32)             # [R4, Dh] the block's queries, pre-scaled
-        for r in range((t1 - t0) * G):
+        qb = n_blocks - 1 - task // KVH
+        _query_block(q, k, v, start, out, qb * QUERY_BLOCK, min(T, (qb + 1) * QUERY_BLOCK), task % KVH)
+
+
+@njit(**SERIAL)
+def _query_block(q, k, v, start, out, t0, t1, kvh):
+    """Tokens t0 .. t1-1 of q, the heads of KV head kvh, against every key they see -> their rows of out. (A
+    function of its own, so that the parallel loop above stays small: Numba compiles a large one slowly.)"""
+    H, Dh = q.shape[1], q.shape[2]
+    G = H // k.shape[1]
+    R4, Dh4 = (QUERY_BLOCK * G + 3) // 4 * 4, (Dh + 3) // 4 * 4   # rows r = (t - t0) * G + g, padded to tiles
+    scale = np.float32(1.0 / np.sqrt(Dh))
+    rows = np.zeros((R4, Dh), dtype=np.float32)                 # [R4, Dh] the block's queries, pre-scaled
+    for r in range((t1 - t0) * G):
+        for j in range(Dh):
+            rows[r, j] = q[t0 + r // G, kvh * G + r % G, j] * scale
+    k_blk = np.zeros((KEY_BLOCK, Dh), dtype=np.float32)         # [KB, Dh] this key block's K rows
+    v_t = np.zeros((Dh4, KEY_BLOCK), dtype=np.float32)          # [Dh4, KB] its V rows, transposed
+    p = np.empty((R4, KEY_BLOCK), dtype=np.float32)             # [R4, KB] scores, then probabilities
+    pv = np.empty((R4, Dh4), dtype=np.float32)                  # [R4, Dh4] this block's P . V
+    m = np.full(R4, np.float32(-1e30), dtype=np.float32)        # running max of each row's scores
+    l = np.zeros(R4, dtype=np.float32)                          # running sum of exp(score - m)
+    acc = np.zeros((R4, Dh), dtype=np.float32)                  # running sum of exp(score - m) * v
+    for s0 in range(0, start + t1, KEY_BLOCK):                  # keys up to the last one token t1-1 sees
+        n_keys = min(start + t1, s0 + KEY_BLOCK) - s0
+        for i in range(KEY_BLOCK):                              # load the block (zeros past its end)
             for j in range(Dh):
-                rows[r, j] = q[t0 + r // G, kvh * G + r % G, j] * scale
-        k_blk = np.zeros((KEY_BLOCK, Dh), dtype=np.float32)     # [KB, Dh] this key block's K rows
-        v_t = np.zeros((Dh4, KEY_BLOCK), dtype=np.float32)      # [Dh4, KB] its V rows, transposed
-        p = np.empty((R4, KEY_BLOCK), dtype=np.float32)         # [R4, KB] scores, then probabilities
-        pv = np.empty((R4, Dh4), dtype=np.float32)              # [R4, Dh4] this block's P . V
-        m = np.full(R4, np.float32(-1e30), dtype=np.float32)    # running max of each row's scores
-        l = np.zeros(R4, dtype=np.float32)                      # running sum of exp(score - m)
-        acc = np.zeros((R4, Dh), dtype=np.float32)              # running sum of exp(score - m) * v
-        for s0 in range(0, start + t1, KEY_BLOCK):              # keys up to the last one token t1-1 sees
-            n_keys = min(start + t1, s0 + KEY_BLOCK) - s0
-            for i in range(KEY_BLOCK):                          # load the block (zeros past its end)
-                for j in range(Dh):
-                    k_blk[i, j] = k[s0 + i, kvh, j] if i < n_keys else np.float32(0.0)
-                    v_t[j, i] = v[s0 + i, kvh, j] if i < n_keys else np.float32(0.0)
-            _products(rows, k_blk, p)                           # [R4, KB] scores
-            for r in range(R4):
-                n = min(n_keys, start + t0 + r // G + 1 - s0)   # positions of this block row r may see
-                if n <= 0:                                      # (a padding row, or an early token's last block)
-                    for i in range(KEY_BLOCK):
-                        p[r, i] = 0.0
-                    continue
-                m_new = m[r]
-                for i in range(n):
-                    m_new = max(m_new, p[r, i])
-                total = np.float32(0.0)
+                k_blk[i, j] = k[s0 + i, kvh, j] if i < n_keys else np.float32(0.0)
+                v_t[j, i] = v[s0 + i, kvh, j] if i < n_keys else np.float32(0.0)
+        _products(rows, k_blk, p)                               # [R4, KB] scores
+        for r in range(R4):
+            n = min(n_keys, start + t0 + r // G + 1 - s0)       # positions of this block row r may see
+            if n <= 0:                                          # (a padding row, or an early token's last block)
                 for i in range(KEY_BLOCK):
-                    e = exp32(p[r, i] - m_new) if i < n else np.float32(0.0)   # the causal mask
-                    p[r, i] = e
-                    total += e
-                alpha = exp32(m[r] - m_new)                     # rescales what the earlier blocks added
-                l[r] = l[r] * alpha + total
-                m[r] = m_new
-                for j in range(Dh):
-                    acc[r, j] *= alpha
-            _products(p, v_t, pv)                               # [R4, Dh4] weighted V rows
-            for r in range(R4):
-                for j in range(Dh):
-                    acc[r, j] += pv[r, j]
-        for r in range((t1 - t0) * G):
-            inv = np.float32(1.0) / l[r]
+                    p[r, i] = 0.0
+                continue
+            m_new = m[r]
+            for i in range(n):
+                m_new = max(m_new, p[r, i])
+            total = np.float32(0.0)
+            for i in range(KEY_BLOCK):
+                e = exp32(p[r, i] - m_new) if i < n else np.float32(0.0)   # the causal mask
+                p[r, i] = e
+                total += e
+            alpha = exp32(m[r] - m_new)                         # rescales what the earlier blocks added
+            l[r] = l[r] * alpha + total
+            m[r] = m_new
             for j in range(Dh):
-                out[t0 + r // G, kvh * G + r % G, j] = acc[r, j] * inv
+                acc[r, j] *= alpha
+        _products(p, v_t, pv)                                   # [R4, Dh4] weighted V rows
+        for r in range(R4):
+            for j in range(Dh):
+                acc[r, j] += pv[r, j]
+    for r in range((t1 - t0) * G):
+        inv = np.float32(1.0) / l[r]
+        for j in range(Dh):
+            out[t0 + r // G, kvh * G + r % G, j] = acc[r, j] * inv
