@@ -1,0 +1,107 @@
+"""How long `scripts/generate.py --prompt Hi --max-new-tokens 1` takes as a whole process, and its peak memory.
+
+    python benchmarks/startup.py [--quant native fp32] [--runs 5] [--first-run] [--no-write]
+
+Warm: the Numba cache already filled (run once first); the median of --runs whole processes, alternating the
+formats, wall time from start to exit and the peak resident memory (the process's ru_maxrss). --first-run also
+measures a fresh install's first run: an empty Numba cache directory (NUMBA_CACHE_DIR), so every kernel the
+format needs is compiled, as the stderr line "kernels compiled in X s" reports. Writes the table into RESULTS.md
+("Startup").
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from report import machine_info, machine_line, replace_section  # noqa: E402
+
+COMMAND = [sys.executable, str(ROOT / "scripts" / "generate.py"), "--prompt", "Hi", "--max-new-tokens", "1",
+           "--json"]
+
+
+def run_once(quant: str, env: dict) -> dict:
+    """One whole process -> wall seconds, peak RSS (MiB), and what it printed on stderr."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(COMMAND + ["--quant", quant], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate()
+    wall = time.perf_counter() - t0
+    if proc.returncode:
+        raise SystemExit(f"startup.py: {quant} run failed: {err.strip().splitlines()[-1:]}")
+    return dict(wall_s=wall, stderr=err, stdout=out)
+
+
+def peak_rss_mib(quant: str, env: dict) -> float:
+    """Peak resident memory of one run, from the kernel's accounting of the child (wait4)."""
+    proc = subprocess.Popen(COMMAND + ["--quant", quant], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    _, status, rusage = os.wait4(proc.pid, 0)
+    if status:
+        raise SystemExit(f"startup.py: {quant} run failed (status {status})")
+    return rusage.ru_maxrss / 1024                                  # Linux reports KiB
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quant", nargs="+", default=["native", "fp32"])
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--first-run", action="store_true", help="also a fresh install's first run (empty cache)")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args(argv)
+    env = dict(os.environ)
+    for quant in args.quant:                                        # fill the cache, and the page cache
+        run_once(quant, env)
+    walls = {q: [] for q in args.quant}
+    for _ in range(args.runs):
+        for quant in args.quant:
+            walls[quant].append(run_once(quant, env)["wall_s"])
+    rows = []
+    for quant in args.quant:
+        info = run_once(quant, env)
+        summary = json.loads(info["stdout"].strip().splitlines()[-1]) if info["stdout"].strip() else {}
+        walls[quant].sort()
+        row = dict(quant=quant, wall_s=walls[quant][len(walls[quant]) // 2], runs=walls[quant],
+                   peak_mib=peak_rss_mib(quant, env), load_s=summary.get("load_s"), jit_s=summary.get("jit_s"))
+        if args.first_run:
+            with tempfile.TemporaryDirectory() as cache_dir:
+                first = run_once(quant, dict(env, NUMBA_CACHE_DIR=cache_dir))
+            found = re.search(r"kernels compiled in ([\d.]+) s", first["stderr"])
+            row.update(first_run_s=first["wall_s"], compile_s=float(found.group(1)) if found else None,
+                       notice="compiling" in first["stderr"])
+        rows.append(row)
+        print(row, flush=True)
+    lines = ["## Startup: one token from a cold process", "",
+             f"Measured {time.strftime('%Y-%m-%d')}, {machine_line(machine_info())}: `python benchmarks/startup.py "
+             f"{' '.join(sys.argv[1:] if argv is None else argv)}`. Each run is a whole process of "
+             "`scripts/generate.py --prompt Hi --max-new-tokens 1 --quant Q` (chat template: 31 prompt tokens); "
+             f"warm = Numba's cache filled, the median of {args.runs} runs (formats alternating); peak = the "
+             "process's peak resident memory.", "",
+             "| weights | warm: exit after | runs (s) | peak MiB |" + (" first run: exit after | compiling |"
+                                                                      if args.first_run else ""),
+             "|---|---:|---|---:|" + ("---:|---:|" if args.first_run else "")]
+    for r in rows:
+        line = (f"| {r['quant']} | {r['wall_s']:.2f} s | {', '.join(f'{w:.2f}' for w in r['runs'])} | "
+                f"{r['peak_mib']:.0f} |")
+        if args.first_run:
+            line += f" {r['first_run_s']:.1f} s | {r['compile_s']} s |"
+        lines.append(line)
+    text = "\n".join(lines)
+    print(text)
+    if not args.no_write:
+        replace_section("startup", text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
