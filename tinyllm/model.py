@@ -145,12 +145,16 @@ class Transformer:
         """One new token at position cache.length, attending to everything cached. -> [V] logits"""
         return self.forward([token_id], cache=cache, trace=trace)[0]
 
-    def new_cache(self, max_seq_len: int | None = None) -> ContiguousKVCache:
-        """A contiguous KV cache for up to `max_seq_len` positions (default: the model's context length)."""
+    def new_cache(self, max_seq_len: int | None = None, kv_dtype: str = "float32") -> ContiguousKVCache:
+        """A contiguous KV cache for up to `max_seq_len` positions (default: the model's context length), storing
+        K and V as kv_dtype: "float32", "float16" or "int8" (kv_cache.py)."""
         n = self.config.context_length if max_seq_len is None else max_seq_len
         if n > self.config.context_length:
             raise ValueError(f"max_seq_len {n} exceeds the model's context length {self.config.context_length}")
-        return ContiguousKVCache(self.config, n)
+        cache = ContiguousKVCache(self.config, n, kv_dtype)
+        if self.backend == "numba":         # the kernels of this cache format, compiled now rather than mid-request
+            self.jit_s += self.ops.warmup({type(w) for w in self._matrices()}, cache.kv_dtype)
+        return cache
 
     def decode_batch(self, token_ids, caches: list) -> np.ndarray:
         """One new token for each of B sequences, each at its own position in its own cache. -> [B, V]
@@ -200,7 +204,8 @@ class Transformer:
         if row <= o.FUSED_ROWS and trace is None and self._fusable(segments):
             self._fused_decode_blocks(o, x, segments[0])            # x [T, D], updated in place
         else:
-            groups = attention_groups(segments)                     # who attends with whom: the same in every layer
+            # who attends with whom, the same in every layer (a traced pass: its one sequence, read as a Segment)
+            groups = attention_groups(segments) if trace is None else segments
             for i, layer in enumerate(self.layers):
                 x = self._block(o, x, layer, i, rope, groups, trace)   # [N, D]
         for s in segments:
@@ -245,6 +250,9 @@ class Transformer:
             h = o.gelu_tanh(o.linear(h, layer.w_in, layer.b_in, int8_inputs=a8))   # [T, F]
         x = x + o.linear(h, layer.w_out, layer.b_out, int8_inputs=a8)             # [T, D]
         if trace is not None and trace.records_layer(i):
+            cache, start = groups[0].cache, groups[0].start             # a traced pass has one sequence
+            if cache is not None:                                   # what attention read: the stored, rounded K/V
+                k, v = cache.stored(i, start, start + T)
             trace.record_layer(i, q, k, v, x_in, x_mid, x)
         return x
 

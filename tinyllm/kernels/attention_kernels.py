@@ -3,22 +3,27 @@ one-token queries against a paged cache. Each is the compiled twin of ops.attent
 
 Grouped-query attention throughout: query head h reads KV head h // G, so a K/V row read once serves the G query
 heads of its group (and every query token of the call) from L1; K and V are never copied or repeated.
+
+K and V arrive in the cache's stored format as (values, scales) pairs (kv_formats.py: float32, float16 bits, or
+int8 with a scale per group): each value is widened to float32 as it is loaded, and a dot product over a group of
+int8 values is multiplied by the group's scale once, so no dequantized copy of the cache is ever made.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
+from .kv_formats import n_groups, scale_at, widen
 from .numerics import PARALLEL, SERIAL, exp32, softmax_in_place
 
 ATTN_CHUNK = 32   # cache positions per task in decode attention
 
 
 @njit(**PARALLEL)
-def decode_attention(q, k, v, start, out):
+def decode_attention(q, k, ks, v, vs, start, out):
     """q [T, H, Dh]: T new tokens (1 in a decode step, k+1 in a speculative verification) at positions start ..
-    start+T-1; k, v [S, KVH, Dh] (the cache incl. these tokens, S = start + T) -> out [T, H, Dh]. Causal: token t
-    sees positions 0 .. start+t.
+    start+T-1; k, v [S, KVH, Dh] (the cache incl. these tokens, S = start + T) with their scales ks, vs (None for
+    float formats) -> out [T, H, Dh]. Causal: token t sees positions 0 .. start+t.
 
     Split over positions ("flash-decoding", Dao et al. 2023), so both cores work even with 3 KV heads: each task
     takes ATTN_CHUNK positions and computes, per query token and head, the scores, their running max m, the sum l
@@ -29,6 +34,8 @@ def decode_attention(q, k, v, start, out):
     T, H, Dh = q.shape
     S, KVH, _ = k.shape
     G = H // KVH
+    NG = n_groups(ks)
+    GS = Dh // NG                                                # values per scale (Dh for float formats)
     n_chunks = (S + ATTN_CHUNK - 1) // ATTN_CHUNK
     scale = np.float32(1.0 / np.sqrt(Dh))
     chunk_max = np.empty((n_chunks, T, H), dtype=np.float32)    # m per chunk
@@ -43,8 +50,11 @@ def decode_attention(q, k, v, start, out):
                 for h in range(H):
                     kvh = h // G
                     a = np.float32(0.0)
-                    for j in range(Dh):
-                        a += q[t, h, j] * k[s, kvh, j]
+                    for g in range(NG):
+                        part = np.float32(0.0)
+                        for j in range(g * GS, (g + 1) * GS):
+                            part += q[t, h, j] * widen(k[s, kvh, j])
+                        a += part * scale_at(ks, s, kvh, g)
                     scores[t, h, s - s0] = a * scale
         for t in range(T):                                       # this chunk's softmax statistics
             n = min(s1, start + t + 1) - s0                      # how many of its positions token t sees
@@ -65,9 +75,10 @@ def decode_attention(q, k, v, start, out):
             for t in range(max(0, s - start), T):
                 for h in range(H):
                     kvh = h // G
-                    p = scores[t, h, s - s0]
-                    for j in range(Dh):
-                        acc[t, h, j] += p * v[s, kvh, j]
+                    for g in range(NG):
+                        p = scores[t, h, s - s0] * scale_at(vs, s, kvh, g)
+                        for j in range(g * GS, (g + 1) * GS):
+                            acc[t, h, j] += p * widen(v[s, kvh, j])
         chunk_out[c] = acc
     for t in range(T):                                           # merge the chunks of each token and head
         for h in range(H):
@@ -88,8 +99,9 @@ def decode_attention(q, k, v, start, out):
 
 
 @njit(**PARALLEL)
-def causal_attention(q, k, v, start, out):
-    """q [T, H, Dh] at positions start .. start+T-1, k, v [S, KVH, Dh] (S = start + T) -> out [T, H, Dh].
+def causal_attention(q, k, ks, v, vs, start, out):
+    """q [T, H, Dh] at positions start .. start+T-1, k, v [S, KVH, Dh] (S = start + T) with their scales ks, vs
+    (None for float formats) -> out [T, H, Dh].
 
     For a prompt or a prompt chunk: one task per (query token, KV head); the token at position start+t sees
     positions 0 .. start+t. The same arithmetic as the numpy twin's batched matmuls, kept in Numba so that BLAS's
@@ -98,6 +110,8 @@ def causal_attention(q, k, v, start, out):
     T, H, Dh = q.shape
     KVH = k.shape[1]
     G = H // KVH
+    NG = n_groups(ks)
+    GS = Dh // NG                                                # values per scale (Dh for float formats)
     scale = np.float32(1.0 / np.sqrt(Dh))
     for task in prange(T * KVH):
         t, kvh = task // KVH, task % KVH
@@ -106,52 +120,63 @@ def causal_attention(q, k, v, start, out):
         for s in range(n):
             for g in range(G):
                 acc = np.float32(0.0)
-                for j in range(Dh):
-                    acc += q[t, kvh * G + g, j] * k[s, kvh, j]
+                for b in range(NG):
+                    part = np.float32(0.0)
+                    for j in range(b * GS, (b + 1) * GS):
+                        part += q[t, kvh * G + g, j] * widen(k[s, kvh, j])
+                    acc += part * scale_at(ks, s, kvh, b)
                 scores[g, s] = acc * scale
         for g in range(G):
             softmax_in_place(scores[g])
             for j in range(Dh):
                 out[t, kvh * G + g, j] = 0.0
             for s in range(n):
-                p = scores[g, s]
-                for j in range(Dh):
-                    out[t, kvh * G + g, j] += p * v[s, kvh, j]
+                for b in range(NG):
+                    p = scores[g, s] * scale_at(vs, s, kvh, b)
+                    for j in range(b * GS, (b + 1) * GS):
+                        out[t, kvh * G + g, j] += p * widen(v[s, kvh, j])
 
 
 @njit(**PARALLEL)
-def paged_decode_attention(q, k_blocks, v_blocks, block_tables, context_lens, out):
-    """PagedAttention (Kwon et al. 2023) for a batch of one-token queries: q [B, H, Dh]; k_blocks, v_blocks
-    [NB, BS, KVH, Dh] (one layer of the pool); block_tables [B, max blocks] int32; context_lens [B] int32 ->
-    out [B, H, Dh]. One task per sequence; no history is gathered into a copy."""
+def paged_decode_attention(q, k_slots, ks, v_slots, vs, block_size, block_tables, context_lens, out):
+    """PagedAttention (Kwon et al. 2023) for a batch of one-token queries: q [B, H, Dh]; k_slots, v_slots
+    [NB*BS, KVH, Dh] (one layer of the pool, its blocks end to end) with their scales ks, vs (None for float
+    formats); block_tables [B, max blocks] int32; context_lens [B] int32 -> out [B, H, Dh]. One task per
+    sequence; no history is gathered into a copy."""
     for b in prange(q.shape[0]):
-        _paged_attend_one(q[b], k_blocks, v_blocks, block_tables[b], context_lens[b], out[b])
+        _paged_attend_one(q[b], k_slots, ks, v_slots, vs, block_size, block_tables[b], context_lens[b], out[b])
 
 
 @njit(**SERIAL)
-def _paged_attend_one(q, k_blocks, v_blocks, table, S, out):
+def _paged_attend_one(q, k, ks, v, vs, BS, table, S, out):
     """One sequence: q [H, Dh] against its S cached positions, found through its block table -> out [H, Dh].
-    It walks the blocks in order and reads each block's K (then V) rows for all KV heads at once: a block is one
-    contiguous [BS, KVH, Dh] run of memory."""
+    Position s is slot table[s // BS] * BS + s % BS. It walks the blocks in order and reads each slot's K (then
+    V) rows for all KV heads at once: a block is one contiguous [BS, KVH, Dh] run of memory."""
     H, Dh = q.shape
-    BS, KVH = k_blocks.shape[1], k_blocks.shape[2]
+    KVH = k.shape[1]
     G = H // KVH
+    NG = n_groups(ks)
+    GS = Dh // NG                                                # values per scale (Dh for float formats)
     scale = np.float32(1.0 / np.sqrt(Dh))
     scores = np.empty((H, S), dtype=np.float32)                  # [H, S]
     for s in range(S):                                           # q . k, position s found via the block table
-        blk, r = table[s // BS], s % BS
+        slot = table[s // BS] * BS + s % BS
         for h in range(H):
             acc = np.float32(0.0)
-            for j in range(Dh):
-                acc += q[h, j] * k_blocks[blk, r, h // G, j]
+            for g in range(NG):
+                part = np.float32(0.0)
+                for j in range(g * GS, (g + 1) * GS):
+                    part += q[h, j] * widen(k[slot, h // G, j])
+                acc += part * scale_at(ks, slot, h // G, g)
             scores[h, s] = acc * scale
     for h in range(H):                                           # softmax over the S positions
         softmax_in_place(scores[h])
     acc_out = np.zeros((H, Dh), dtype=np.float32)                # [H, Dh] weighted sum of v, stays in L1
     for s in range(S):
-        blk, r = table[s // BS], s % BS
+        slot = table[s // BS] * BS + s % BS
         for h in range(H):
-            p = scores[h, s]
-            for j in range(Dh):
-                acc_out[h, j] += p * v_blocks[blk, r, h // G, j]
+            for g in range(NG):
+                p = scores[h, s] * scale_at(vs, slot, h // G, g)
+                for j in range(g * GS, (g + 1) * GS):
+                    acc_out[h, j] += p * widen(v[slot, h // G, j])
     out[:] = acc_out

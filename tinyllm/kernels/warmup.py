@@ -2,7 +2,9 @@
 
 Numba compiles a kernel for each new combination of argument types on its first call, and caches the result on
 disk (`cache=True`), so only the first run of a fresh install pays for it. `warmup` makes that first call happen
-at load time (a new array layout mid-request would mean a compile in the middle of a generation).
+at load time (a new array layout mid-request would mean a compile in the middle of a generation). The attention
+kernels of a float16 or int8 KV cache are compiled when such a cache is first made (model.new_cache, the paged
+pool), so a model that never uses one never pays for them.
 """
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ import time
 
 import numpy as np
 
+from ..kv_cache import kv_storage
 from ..quant import BLOCK, Int8Block, Int8Channel, Q4Block, quantize
 from .block import _decode_block
 from .dispatch import FEW_TOKENS, FUSED_ROWS, attention, linear, paged_attention, swiglu
+from .kv_formats import kernel_operands
 from .linear_kernels import TILE_MIN_ROWS, weight_arrays
 from .pointwise import apply_rope, rmsnorm
 
@@ -26,32 +30,43 @@ def _matrix(fmt: str | None, rows: int):
     return w if fmt is None else quantize(w, fmt)
 
 
-def _warm_decode_block(fmt: str | None) -> None:
+def _warm_decode_block(fmt: str | None, kv_dtype: str) -> None:
     H, KVH, Dh = 2, 1, BLOCK // 2                                   # so every matrix is [*, 32]: one block wide
     x, norm, trig = np.ones((1, BLOCK), np.float32), np.ones(BLOCK, np.float32), np.ones((1, Dh // 2), np.float32)
-    kv = np.zeros((4, KVH, Dh), np.float32)                         # [S_max, KVH, Dh]
+    kv = kv_storage((4, KVH, Dh), kv_dtype)                         # [S_max, KVH, Dh]
+    (k, k_scales), (v, v_scales) = kernel_operands(kv), kernel_operands(kv)
     mats = [weight_arrays(_matrix(fmt, rows)) for rows in ((H + 2 * KVH) * Dh, BLOCK, 2 * BLOCK, BLOCK)]
-    _decode_block(x, norm, norm, *mats, False, False, kv, kv, 0, trig, trig, H, 1e-5)
+    _decode_block(x, norm, norm, *mats, False, False, k, k_scales, v, v_scales, 0, trig, trig, H, 1e-5)
 
 
-def warmup(weight_types=tuple(FORMATS)) -> float:
-    """Compile (or load from Numba's cache) what a model holding these weight classes needs. -> seconds it took."""
+def _warm_attention(kv_dtype: str) -> None:
+    """decode_attention, then causal_attention, on a cache of kv_dtype."""
+    if ("attention", kv_dtype) in _done:
+        return
+    for T in (2, FEW_TOKENS + 1):
+        kv = kv_storage((T + 1, 1, 4), kv_dtype)                    # [S, KVH, Dh]
+        kv[:] = np.ones((T + 1, 1, 4), np.float32)
+        attention(np.ones((T, 2, 4), np.float32), kv, kv, 1)
+    _done.add(("attention", kv_dtype))
+
+
+def warmup(weight_types=tuple(FORMATS), kv_dtype: str = "float32") -> float:
+    """Compile (or load from Numba's cache) what a model holding these weight classes needs, with a KV cache of
+    kv_dtype. -> seconds it took."""
     t0 = time.perf_counter()
     x = np.ones((1, BLOCK), dtype=np.float32)
     for t in weight_types:
-        if t in _done:
-            continue
         fmt = FORMATS[t]
-        for int8_inputs in (False, True) if fmt else (False,):      # either activations setting
-            for rows in (1, TILE_MIN_ROWS):                         # the one-row and the tiled kernels
-                linear(np.ones((rows, BLOCK), np.float32), _matrix(fmt, 2), int8_inputs=int8_inputs)
-        if FUSED_ROWS:
-            _warm_decode_block(fmt)
-        _done.add(t)
+        if t not in _done:
+            for int8_inputs in (False, True) if fmt else (False,):  # either activations setting
+                for rows in (1, TILE_MIN_ROWS):                     # the one-row and the tiled kernels
+                    linear(np.ones((rows, BLOCK), np.float32), _matrix(fmt, 2), int8_inputs=int8_inputs)
+            _done.add(t)
+        if FUSED_ROWS and (t, kv_dtype) not in _done:
+            _warm_decode_block(fmt, kv_dtype)
+            _done.add((t, kv_dtype))
+    _warm_attention(kv_dtype)
     if "ops" not in _done:
-        for T in (2, FEW_TOKENS + 1):                               # decode_attention, then causal_attention
-            kv = np.ones((T + 1, 1, 4), dtype=np.float32)
-            attention(np.ones((T, 2, 4), np.float32), kv, kv, 1)
         rmsnorm(x, x[0], 1e-5)
         for T in (1, 2):            # q and k are views of the qkv rows: contiguous for one row, strided for more
             qkv = np.ones((T, 16), dtype=np.float32)
@@ -62,13 +77,16 @@ def warmup(weight_types=tuple(FORMATS)) -> float:
     return time.perf_counter() - t0
 
 
-def warmup_paged() -> float:
-    """Compile (or load) the batched paged-attention kernel: PagedKVCache calls it when a pool is made, so only
-    users of a paged pool pay for it. -> seconds it took (0 if done already)."""
-    if "paged" in _done:
+def warmup_paged(kv_dtype: str = "float32") -> float:
+    """Compile (or load) the batched paged-attention kernel for blocks of kv_dtype (and the other attention kernels
+    of that format): PagedKVCache calls it when a pool is made, so only users of a paged pool pay for it.
+    -> seconds it took (0 if done already)."""
+    if ("paged", kv_dtype) in _done:
         return 0.0
     t0 = time.perf_counter()
-    blocks = np.ones((2, 2, 1, 4), dtype=np.float32)                # [NB, BS, KVH, Dh]
+    blocks = kv_storage((2, 2, 1, 4), kv_dtype)                     # [NB, BS, KVH, Dh]
+    blocks[:] = np.ones((2, 2, 1, 4), np.float32)
     paged_attention(np.ones((2, 2, 4), np.float32), blocks, blocks, np.zeros((2, 1), np.int32), np.ones(2, np.int32))
-    _done.add("paged")
+    _warm_attention(kv_dtype)
+    _done.add(("paged", kv_dtype))
     return time.perf_counter() - t0

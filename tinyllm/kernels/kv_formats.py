@@ -1,0 +1,133 @@
+"""The stored K/V formats as the attention kernels see them (kv_cache.py's kv_dtype): reading a value, its scale,
+and writing a new row (the fused block stores its token's K/V itself).
+
+    kv_dtype   values the kernel gets         scales
+    float32    float32 [..., KVH, Dh]         None
+    float16    uint16 [..., KVH, Dh]          None      (the float16 bits: Numba has no float16 type)
+    int8       int8 [..., KVH, Dh]            float32 [..., KVH, Dh/group]
+
+Each helper below is specialised to its argument types when a kernel compiles, so a float32 cache compiles to the
+same loops as before and the float16 / int8 variants are compiled only by a model that uses them. A float16
+value is widened by one instruction (F16C's vcvtph2ps, which every x86-64 CPU with AVX2 has), in LLVM IR.
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import config, types
+from numba.extending import intrinsic, overload
+
+from ..kv_cache import QuantizedKV
+
+if not config.DISABLE_JIT:
+    @intrinsic
+    def _half_bits_to_float(typingctx, bits):
+        """uint16 holding a float16's bits -> that value as float32 (exact)."""
+        def codegen(context, builder, signature, args):
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+        return types.float32(types.uint16), codegen
+
+    @intrinsic
+    def _float_to_half_bits(typingctx, x):
+        """float32 -> the bits of the nearest float16 (ties to even, as numpy's astype(float16))."""
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+        return types.uint16(types.float32), codegen
+
+
+def kernel_operands(kv) -> tuple[np.ndarray, np.ndarray | None]:
+    """Stored K or V (a float32 / float16 array or a QuantizedKV) -> (values, scales) as the kernels take them."""
+    if isinstance(kv, QuantizedKV):
+        return kv.values, kv.scales
+    return (kv.view(np.uint16) if kv.dtype == np.float16 else kv), None
+
+
+# --- reading -------------------------------------------------------------------------------------------------------
+def widen(x):
+    """One stored value -> float32 (the int8 value still to be multiplied by its group's scale)."""
+    if isinstance(x, np.uint16):
+        return np.float32(np.array(x, np.uint16).view(np.float16))
+    return np.float32(x)
+
+
+def n_groups(scales) -> int:
+    """Groups of values with one scale each in a head: 1 for the float formats."""
+    return 1 if scales is None else scales.shape[-1]
+
+
+def scale_at(scales, s, h, g):
+    """The scale of group g of head h at position s (a float format: 1)."""
+    return np.float32(1.0) if scales is None else scales[s, h, g]
+
+
+def first_rows(scales, n):
+    """scales[:n], or None for a float format (the scales of a cache's first n positions)."""
+    return None if scales is None else scales[:n]
+
+
+@overload(first_rows, inline="always")
+def _first_rows_typed(scales, n):
+    if isinstance(scales, types.NoneType):
+        return lambda scales, n: None
+    return lambda scales, n: scales[:n]
+
+
+@overload(widen, inline="always")
+def _widen_typed(x):
+    if x == types.uint16:
+        return lambda x: _half_bits_to_float(x)
+    return lambda x: np.float32(x)
+
+
+@overload(n_groups, inline="always")
+def _n_groups_typed(scales):
+    if isinstance(scales, types.NoneType):
+        return lambda scales: 1
+    return lambda scales: scales.shape[-1]
+
+
+@overload(scale_at, inline="always")
+def _scale_at_typed(scales, s, h, g):
+    if isinstance(scales, types.NoneType):
+        return lambda scales, s, h, g: np.float32(1.0)
+    return lambda scales, s, h, g: scales[s, h, g]
+
+
+# --- writing -------------------------------------------------------------------------------------------------------
+def store_row(values, scales, s, h, row):
+    """Write row [Dh] float32 as position s, KV head h of values [S, KVH, Dh], rounded to the stored format."""
+    if scales is not None:
+        _store_int8_row(values, scales, s, h, row)
+    elif values.dtype == np.uint16:
+        values[s, h] = row.astype(np.float16).view(np.uint16)
+    else:
+        values[s, h] = row
+
+
+def _store_int8_row(values, scales, s, h, row):
+    """int8 with a new scale per group, the arithmetic of kv_cache.quantize_int8 (scale = max|x| / 127)."""
+    group = row.shape[0] // scales.shape[-1]
+    for g in range(scales.shape[-1]):
+        amax = np.float32(0.0)
+        for j in range(g * group, (g + 1) * group):
+            amax = max(amax, abs(row[j]))
+        inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+        for j in range(g * group, (g + 1) * group):
+            values[s, h, j] = np.int8(np.rint(row[j] * inv))
+        scales[s, h, g] = amax / np.float32(127.0)
+
+
+@overload(store_row)
+def _store_row_typed(values, scales, s, h, row):
+    if not isinstance(scales, types.NoneType):
+        return _store_int8_row
+    if values.dtype == types.uint16:
+        def store_half(values, scales, s, h, row):
+            for j in range(row.shape[0]):
+                values[s, h, j] = _float_to_half_bits(row[j])
+        return store_half
+
+    def store_float(values, scales, s, h, row):
+        for j in range(row.shape[0]):
+            values[s, h, j] = row[j]
+    return store_float
