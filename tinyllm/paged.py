@@ -339,6 +339,10 @@ class SequenceCache:
         self.slots = np.zeros(0, dtype=np.int64)           # [S] flat slot of each position (the slot mapping)
 
     @property
+    def kv_dtype(self) -> str:
+        return self.pool.kv_dtype
+
+    @property
     def block_table(self) -> list[int]:
         return self.pool.allocator.tables[self.seq_id]
 
