@@ -12,7 +12,7 @@ import pytest
 import tinyllm
 from tinyllm import kernels, ops
 from tinyllm.engine import Engine
-from tinyllm.kv_cache import KV_DTYPES, QuantizedKV, as_float32, kv_storage, quantize_int8
+from tinyllm.kv_cache import KV_DTYPES, QuantizedKV, as_float32, int8_group, kv_storage, quantize_int8
 from tinyllm.paged import PagedKVCache
 from tinyllm.sampling import SamplingParams
 from tinyllm.speculative import speculative_generate
@@ -41,7 +41,7 @@ def greedy(model, prompt, n, cache):
 def test_bytes_per_token_of_each_format():
     config = random_model("llama").config                           # L 2, KVH 2, Dh 8
     assert [config.kv_bytes_per_token(d) for d in KV_DTYPES] == [2 * 2 * 2 * 8 * b for b in (4, 2)] + [
-        2 * 2 * 2 * (8 + 4)]                                       # int8: 8 values + one float32 scale per head
+        2 * 2 * 2 * (8 + 2)]                          # int8: 8 values + a float16 scale (one per head: 32 > Dh)
     smol = tinyllm.config.ModelConfig("llama", 49152, 576, 30, 9, 3, 1536, 8192)
     assert [smol.kv_bytes_per_token(d) for d in KV_DTYPES] == [46_080, 23_040, 12_240]
     for d in KV_DTYPES:                                            # what the caches reserve is what they report
@@ -57,6 +57,7 @@ def test_int8_rounding_is_within_half_a_step_and_keeps_zeros():
     x[7] = 0.0                                                     # an all-zero head: scale 0, values 0
     q, scales = quantize_int8(x, 64)
     assert q.dtype == np.int8 and scales.shape == (50, 3, 1) and np.abs(q).max() == 127
+    scales = scales.astype(np.float32)                             # stored as float16
     back = q * scales                                              # [50, 3, 64]
     assert np.all(np.abs(back - x) <= scales * 0.5 * (1 + 1e-5) + 1e-30)
     assert np.all(back[7] == 0) and np.all(scales[7] == 0)
@@ -200,8 +201,9 @@ def test_trace_reports_the_values_attention_read(kv):
     out = tinyllm.generate(model, "hello world", max_new_tokens=4, trace=True, kv=kv, kv_dtype="int8")
     exact = tinyllm.generate(model, "hello world", max_new_tokens=4, trace=True)
     k, k_exact = out.trace._cat(0, "k"), exact.trace._cat(0, "k")           # [S, KVH, Dh]
-    q, s = quantize_int8(k_exact, k.shape[-1])
-    np.testing.assert_allclose(k, q * s, atol=1e-6)                          # the int8 round trip of the exact k
+    group = int8_group(k.shape[-1])
+    q, s = quantize_int8(k_exact, group)
+    np.testing.assert_allclose(k, q * np.repeat(s.astype(np.float32), group, axis=-1), atol=1e-6)                          # the int8 round trip of the exact k
     assert np.abs(k - k_exact).max() > 0
     assert out.stats.kv_bytes_per_token == model.config.kv_bytes_per_token("int8")
 

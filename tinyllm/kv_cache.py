@@ -9,7 +9,7 @@ token is 2 * L * KVH * Dh * bytes per value (SmolLM2-135M: 2*30*3*64 = 11,520 va
 `kv_dtype` is how each value is stored (llama.cpp keeps K/V in fp16 by default and offers 8-bit; vLLM fp8):
     "float32"  exact                                          46,080 B/token for SmolLM2
     "float16"  rounded to half precision when stored          23,040 B/token
-    "int8"     int8 values + one float32 scale per group      12,240 B/token (a scale per position and KV head)
+    "int8"     int8 values + a float16 scale per 32 values    12,240 B/token (Q8_0's layout, per position and head)
 The values are rounded once, when a token's K/V are written; attention reads the stored format (the kernels
 convert as they load, ops.attention dequantizes in numpy), so every reader sees the same rounded values.
 The contract (shared with the paged cache): `update` writes new positions and returns views of the whole
@@ -59,7 +59,7 @@ def attention_groups(segments: list[Segment]) -> list:
 
 # --- how K and V are stored -------------------------------------------------------------------------------------
 KV_DTYPES = ("float32", "float16", "int8")
-INT8_GROUP = None   # int8: None = one scale per position and KV head; 32 = per 32 values (Q8_0). See kv_dtype.py
+INT8_GROUP = 32   # int8: values per scale (None: one per position and KV head); 32 loses less (benchmarks/kv_dtype.py)
 
 
 def check_kv_dtype(kv_dtype) -> str:
@@ -79,23 +79,25 @@ def int8_group(head_dim: int) -> int:
 def bytes_per_value(kv_dtype: str, head_dim: int) -> float:
     """Average bytes one stored K or V value costs, its share of a scale included."""
     kv_dtype = check_kv_dtype(kv_dtype)
-    return {"float32": 4.0, "float16": 2.0}.get(kv_dtype, 1.0 + 4.0 / int8_group(head_dim))
+    return {"float32": 4.0, "float16": 2.0}.get(kv_dtype, 1.0 + 2.0 / int8_group(head_dim))
 
 
 def quantize_int8(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric int8 rounding in groups of `group` values along the last axis: scale = max|x| / 127.
-    x [..., Dh] -> (q [..., Dh] int8, scales [..., Dh/group] float32), x ~= q * scale. The fused decode block
+    """Symmetric int8 rounding in groups of `group` values along the last axis, as llama.cpp's Q8_0: the scale
+    max|x| / 127 is stored in float16, and the values are rounded against that stored scale.
+    x [..., Dh] -> (q [..., Dh] int8, scales [..., Dh/group] float16), x ~= q * scale. The fused decode block
     (kernels/kv_formats.py) quantizes with the same arithmetic."""
     xg = np.asarray(x, dtype=np.float32).reshape(*x.shape[:-1], -1, group)         # [..., NG, group]
-    amax = np.max(np.abs(xg), axis=-1)                                             # [..., NG]
-    inv = np.where(amax > 0, np.float32(127.0) / np.maximum(amax, np.float32(1e-30)), np.float32(0.0))
-    q = np.rint(xg * inv[..., None].astype(np.float32))                            # [..., NG, group]
-    return q.astype(np.int8).reshape(x.shape), (amax / np.float32(127.0)).astype(np.float32)
+    scales = (np.max(np.abs(xg), axis=-1) / np.float32(127.0)).astype(np.float16)  # [..., NG]
+    d = scales.astype(np.float32)
+    inv = np.where(d > 0, np.float32(1.0) / np.maximum(d, np.float32(1e-30)), np.float32(0.0))   # [..., NG]
+    q = np.clip(np.rint(xg * inv[..., None]), -127, 127)                           # [..., NG, group]
+    return q.astype(np.int8).reshape(x.shape), scales
 
 
 class QuantizedKV:
     """int8 K or V, used like an array of its leading axes: values [..., KVH, Dh] int8 and scales
-    [..., KVH, Dh/group] float32 (x ~= value * its group's scale). Indexing the leading axes gives a view of both;
+    [..., KVH, Dh/group] float16 (x ~= value * its group's scale). Indexing the leading axes gives a view of both;
     assigning float32 values quantizes them (`quantize_int8`), assigning a QuantizedKV copies bytes and scales."""
     __slots__ = ("values", "scales")
 
@@ -104,7 +106,7 @@ class QuantizedKV:
 
     @classmethod
     def zeros(cls, shape: tuple, group: int) -> "QuantizedKV":
-        return cls(np.zeros(shape, np.int8), np.zeros(shape[:-1] + (shape[-1] // group,), np.float32))
+        return cls(np.zeros(shape, np.int8), np.zeros(shape[:-1] + (shape[-1] // group,), np.float16))
 
     @property
     def group(self) -> int:
@@ -133,7 +135,7 @@ class QuantizedKV:
 
     def dequantize(self) -> np.ndarray:
         """-> float32 [..., KVH, Dh]: every value times its group's scale."""
-        scale = np.repeat(self.scales, self.group, axis=-1)                        # [..., KVH, Dh]
+        scale = np.repeat(self.scales.astype(np.float32), self.group, axis=-1)    # [..., KVH, Dh]
         return self.values.astype(np.float32) * scale
 
 

@@ -4,7 +4,7 @@ and writing a new row (the fused block stores its token's K/V itself).
     kv_dtype   values the kernel gets         scales
     float32    float32 [..., KVH, Dh]         None
     float16    uint16 [..., KVH, Dh]          None      (the float16 bits: Numba has no float16 type)
-    int8       int8 [..., KVH, Dh]            float32 [..., KVH, Dh/group]
+    int8       int8 [..., KVH, Dh]            uint16 [..., KVH, Dh/group]   (float16 bits, as Q8_0's scales)
 
 Each helper below is specialised to its argument types when a kernel compiles, so a float32 cache compiles to the
 same loops as before and the float16 / int8 variants are compiled only by a model that uses them. A float16
@@ -38,7 +38,7 @@ if not config.DISABLE_JIT:
 def kernel_operands(kv) -> tuple[np.ndarray, np.ndarray | None]:
     """Stored K or V (a float32 / float16 array or a QuantizedKV) -> (values, scales) as the kernels take them."""
     if isinstance(kv, QuantizedKV):
-        return kv.values, kv.scales
+        return kv.values, kv.scales.view(np.uint16)
     return (kv.view(np.uint16) if kv.dtype == np.float16 else kv), None
 
 
@@ -57,7 +57,12 @@ def n_groups(scales) -> int:
 
 def scale_at(scales, s, h, g):
     """The scale of group g of head h at position s (a float format: 1)."""
-    return np.float32(1.0) if scales is None else scales[s, h, g]
+    return np.float32(1.0) if scales is None else widen(scales[s, h, g])
+
+
+def half_bits(x):
+    """float32 -> the bits of the nearest float16 (ties to even, as numpy's astype(float16))."""
+    return np.float16(x).view(np.uint16)
 
 
 def first_rows(scales, n):
@@ -90,7 +95,12 @@ def _n_groups_typed(scales):
 def _scale_at_typed(scales, s, h, g):
     if isinstance(scales, types.NoneType):
         return lambda scales, s, h, g: np.float32(1.0)
-    return lambda scales, s, h, g: scales[s, h, g]
+    return lambda scales, s, h, g: widen(scales[s, h, g])
+
+
+@overload(half_bits, inline="always")
+def _half_bits_typed(x):
+    return lambda x: _float_to_half_bits(x)
 
 
 # --- writing -------------------------------------------------------------------------------------------------------
@@ -105,16 +115,19 @@ def store_row(values, scales, s, h, row):
 
 
 def _store_int8_row(values, scales, s, h, row):
-    """int8 with a new scale per group, the arithmetic of kv_cache.quantize_int8 (scale = max|x| / 127)."""
+    """int8 with a new float16 scale per group, the arithmetic of kv_cache.quantize_int8 (scale = max|x| / 127,
+    values rounded against the stored scale)."""
     group = row.shape[0] // scales.shape[-1]
     for g in range(scales.shape[-1]):
         amax = np.float32(0.0)
         for j in range(g * group, (g + 1) * group):
             amax = max(amax, abs(row[j]))
-        inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+        bits = half_bits(amax / np.float32(127.0))
+        scales[s, h, g] = bits
+        d = widen(bits)
+        inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
         for j in range(g * group, (g + 1) * group):
-            values[s, h, j] = np.int8(np.rint(row[j] * inv))
-        scales[s, h, g] = amax / np.float32(127.0)
+            values[s, h, j] = np.int8(min(max(np.rint(row[j] * inv), np.float32(-127.0)), np.float32(127.0)))
 
 
 @overload(store_row)
