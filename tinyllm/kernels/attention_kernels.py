@@ -5,15 +5,15 @@ Grouped-query attention throughout: query head h reads KV head h // G, so a K/V 
 heads of its group (and every query token of the call) from L1; K and V are never copied or repeated.
 
 K and V arrive in the cache's stored format as (values, scales) pairs (kv_formats.py: float32, float16 bits, or
-int8 with a scale per group): each value is widened to float32 as it is loaded, and a dot product over a group of
-int8 values is multiplied by the group's scale once, so no dequantized copy of the cache is ever made.
+int8 with a scale per 32 values): `dot_kv` and `add_kv` read a stored row, widening a float16 value to float32 as
+it is loaded and applying an int8 group's scale once per group, so no dequantized copy of the cache is made.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
-from .kv_formats import n_groups, scale_at, widen
+from .kv_formats import add_kv, dot_kv
 from .numerics import PARALLEL, SERIAL, exp32, softmax_in_place
 
 ATTN_CHUNK = 32   # cache positions per task in decode attention
@@ -34,8 +34,6 @@ def decode_attention(q, k, ks, v, vs, start, out):
     T, H, Dh = q.shape
     S, KVH, _ = k.shape
     G = H // KVH
-    NG = n_groups(ks)
-    GS = Dh // NG                                                # values per scale (Dh for float formats)
     n_chunks = (S + ATTN_CHUNK - 1) // ATTN_CHUNK
     scale = np.float32(1.0 / np.sqrt(Dh))
     chunk_max = np.empty((n_chunks, T, H), dtype=np.float32)    # m per chunk
@@ -48,14 +46,7 @@ def decode_attention(q, k, ks, v, vs, start, out):
         for s in range(s0, s1):                                  # q . k, one pass over k[s0:s1]
             for t in range(max(0, s - start), T):                # the tokens that see position s
                 for h in range(H):
-                    kvh = h // G
-                    a = np.float32(0.0)
-                    for g in range(NG):
-                        part = np.float32(0.0)
-                        for j in range(g * GS, (g + 1) * GS):
-                            part += q[t, h, j] * widen(k[s, kvh, j])
-                        a += part * scale_at(ks, s, kvh, g)
-                    scores[t, h, s - s0] = a * scale
+                    scores[t, h, s - s0] = dot_kv(q, t, h, k, ks, s, h // G) * scale
         for t in range(T):                                       # this chunk's softmax statistics
             n = min(s1, start + t + 1) - s0                      # how many of its positions token t sees
             for h in range(H):
@@ -74,11 +65,7 @@ def decode_attention(q, k, ks, v, vs, start, out):
         for s in range(s0, s1):                                  # weighted sum of v, one pass over v[s0:s1]
             for t in range(max(0, s - start), T):
                 for h in range(H):
-                    kvh = h // G
-                    for g in range(NG):
-                        p = scores[t, h, s - s0] * scale_at(vs, s, kvh, g)
-                        for j in range(g * GS, (g + 1) * GS):
-                            acc[t, h, j] += p * widen(v[s, kvh, j])
+                    add_kv(acc, t, h, scores[t, h, s - s0], v, vs, s, h // G)
         chunk_out[c] = acc
     for t in range(T):                                           # merge the chunks of each token and head
         for h in range(H):
@@ -110,8 +97,6 @@ def causal_attention(q, k, ks, v, vs, start, out):
     T, H, Dh = q.shape
     KVH = k.shape[1]
     G = H // KVH
-    NG = n_groups(ks)
-    GS = Dh // NG                                                # values per scale (Dh for float formats)
     scale = np.float32(1.0 / np.sqrt(Dh))
     for task in prange(T * KVH):
         t, kvh = task // KVH, task % KVH
@@ -119,22 +104,13 @@ def causal_attention(q, k, ks, v, vs, start, out):
         scores = np.empty((G, n), dtype=np.float32)             # [G, n]
         for s in range(n):
             for g in range(G):
-                acc = np.float32(0.0)
-                for b in range(NG):
-                    part = np.float32(0.0)
-                    for j in range(b * GS, (b + 1) * GS):
-                        part += q[t, kvh * G + g, j] * widen(k[s, kvh, j])
-                    acc += part * scale_at(ks, s, kvh, b)
-                scores[g, s] = acc * scale
+                scores[g, s] = dot_kv(q, t, kvh * G + g, k, ks, s, kvh) * scale
         for g in range(G):
             softmax_in_place(scores[g])
             for j in range(Dh):
                 out[t, kvh * G + g, j] = 0.0
             for s in range(n):
-                for b in range(NG):
-                    p = scores[g, s] * scale_at(vs, s, kvh, b)
-                    for j in range(b * GS, (b + 1) * GS):
-                        out[t, kvh * G + g, j] += p * widen(v[s, kvh, j])
+                add_kv(out, t, kvh * G + g, scores[g, s], v, vs, s, kvh)
 
 
 @njit(**PARALLEL)
@@ -144,39 +120,29 @@ def paged_decode_attention(q, k_slots, ks, v_slots, vs, block_size, block_tables
     formats); block_tables [B, max blocks] int32; context_lens [B] int32 -> out [B, H, Dh]. One task per
     sequence; no history is gathered into a copy."""
     for b in prange(q.shape[0]):
-        _paged_attend_one(q[b], k_slots, ks, v_slots, vs, block_size, block_tables[b], context_lens[b], out[b])
+        _paged_attend_one(q[b:b + 1], k_slots, ks, v_slots, vs, block_size, block_tables[b], context_lens[b],
+                          out[b:b + 1])
 
 
 @njit(**SERIAL)
 def _paged_attend_one(q, k, ks, v, vs, BS, table, S, out):
-    """One sequence: q [H, Dh] against its S cached positions, found through its block table -> out [H, Dh].
+    """One sequence: q [1, H, Dh] against its S cached positions, found through its block table -> out [1, H, Dh].
     Position s is slot table[s // BS] * BS + s % BS. It walks the blocks in order and reads each slot's K (then
     V) rows for all KV heads at once: a block is one contiguous [BS, KVH, Dh] run of memory."""
-    H, Dh = q.shape
+    _, H, Dh = q.shape
     KVH = k.shape[1]
     G = H // KVH
-    NG = n_groups(ks)
-    GS = Dh // NG                                                # values per scale (Dh for float formats)
     scale = np.float32(1.0 / np.sqrt(Dh))
     scores = np.empty((H, S), dtype=np.float32)                  # [H, S]
     for s in range(S):                                           # q . k, position s found via the block table
         slot = table[s // BS] * BS + s % BS
         for h in range(H):
-            acc = np.float32(0.0)
-            for g in range(NG):
-                part = np.float32(0.0)
-                for j in range(g * GS, (g + 1) * GS):
-                    part += q[h, j] * widen(k[slot, h // G, j])
-                acc += part * scale_at(ks, slot, h // G, g)
-            scores[h, s] = acc * scale
+            scores[h, s] = dot_kv(q, 0, h, k, ks, slot, h // G) * scale
     for h in range(H):                                           # softmax over the S positions
         softmax_in_place(scores[h])
-    acc_out = np.zeros((H, Dh), dtype=np.float32)                # [H, Dh] weighted sum of v, stays in L1
+    acc_out = np.zeros((1, H, Dh), dtype=np.float32)             # [1, H, Dh] weighted sum of v, stays in L1
     for s in range(S):
         slot = table[s // BS] * BS + s % BS
         for h in range(H):
-            for g in range(NG):
-                p = scores[h, s] * scale_at(vs, slot, h // G, g)
-                for j in range(g * GS, (g + 1) * GS):
-                    acc_out[h, j] += p * widen(v[slot, h // G, j])
+            add_kv(acc_out, 0, h, scores[h, s], v, vs, slot, h // G)
     out[:] = acc_out
