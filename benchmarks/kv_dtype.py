@@ -9,7 +9,8 @@ Quality, as llama.cpp's perplexity tool measures a KV type: the text benchmarks/
 512 tokens, each chunk a fresh sequence; every position's distribution with the rounded cache against the same
 run with the float32 cache: mean and p99 of KL(p_fp32 || p_kv), top-1 agreement, the largest logit difference. Each
 chunk runs two ways: in one pass (512 rows: attention in numpy on the dequantized cache) and in passes of 16
-tokens (the Numba kernels reading the stored format, the fused block writing it). int8 runs with one float16
+tokens (the Numba kernels reading the stored format, the fused block writing it). Then the greedy output of the
+reference fixtures' prompts with each format against the float32 cache's. int8 runs with one float16
 scale per position and KV head and with one per 32 values (llama.cpp's Q8_0 layout), to choose between them.
 
 Speed: batch-1 decode steps with the cache filled to the context (random values: time does not depend on them),
@@ -65,7 +66,36 @@ def quality(model, ids: np.ndarray) -> dict:
     return rows
 
 
-def quality_section(rows: dict, n_tokens: int, command: str, seconds: float) -> str:
+def fixture_greedy(model, n_new: int = 40) -> dict:
+    """Greedy continuations of the reference fixtures' prompts (tests/fixtures) with each KV format against the
+    float32 cache's. -> {label: (n_new, prompts whose n_new tokens are all the same, prompts, first differing
+    steps)}"""
+    import json
+    prompts = [p["ids"] for p in json.loads((HERE.parent / "tests" / "fixtures" / "smollm2_reference.json")
+                                            .read_text())["prompts"]]
+
+    def greedy(ids, kv_dtype):
+        cache, out = model.new_cache(len(ids) + n_new, kv_dtype), []
+        logits = model.prefill(ids, cache)
+        while len(out) < n_new:
+            out.append(int(np.argmax(logits)))
+            if len(out) < n_new:
+                logits = model.decode_step(out[-1], cache)
+        return out
+
+    ref = [greedy(ids, "float32") for ids in prompts]
+    res = {}
+    for label, (kv_dtype, _) in VARIANTS.items():
+        if "per position" in label:
+            continue
+        got = [greedy(ids, kv_dtype) for ids in prompts]
+        first = [next(i for i, (a, b) in enumerate(zip(g, r)) if a != b) for g, r in zip(got, ref) if g != r]
+        res[label] = (n_new, len(prompts) - len(first), len(prompts), first)
+        print("greedy", label, res[label], flush=True)
+    return res
+
+
+def quality_section(rows: dict, n_tokens: int, command: str, seconds: float, greedy: dict | None = None) -> str:
     lines = ["## KV cache formats: quality against the float32 cache", "",
              f"Measured {time.strftime('%Y-%m-%d %H:%M')} with `{command}` on {machine_line(machine_info())} "
              f"({seconds:.0f} s; deterministic). The {n_tokens:,}-token text benchmarks/data/eval_text.txt in chunks "
@@ -76,6 +106,16 @@ def quality_section(rows: dict, n_tokens: int, command: str, seconds: float) -> 
     for (mode, label), r in rows.items():
         lines.append(f"| {mode} | {label} | {r['bytes_per_token']:,} | {r['kld_mean']:.2e} | {r['kld_p99']:.2e} | "
                      f"{r['top1']:.2%} | {r['max_logit_err']:.4f} |")
+    per_head, per_32 = (rows[mode, label] for mode, label in rows if mode == next(iter(rows))[0]
+                        and label.startswith("int8"))
+    lines += ["", f"Choice for int8 (kv_cache.INT8_GROUP): one scale per 32 values has "
+              f"{per_head['kld_mean'] / per_32['kld_mean']:.1f}x lower mean KLD than one per position and KV head, "
+              f"for {per_32['bytes_per_token'] / per_head['bytes_per_token'] - 1:.0%} more bytes per token; the "
+              f"scales are float16, as in llama.cpp's Q8_0."]
+    for label, (n_new, same, total, first) in (greedy or {}).items():
+        lines.append(f"Greedy output of the {total} reference fixture prompts (tests/fixtures, {n_new} tokens each) "
+                     f"with {label}: {same} of {total} identical to the float32 cache's"
+                     + (f" (the others first differ at steps {', '.join(map(str, first))})." if first else "."))
     return "\n".join(lines)
 
 
@@ -146,7 +186,8 @@ def main() -> None:
         ids = np.array(model.tokenizer.encode((HERE / "data" / "eval_text.txt").read_text()))
         ids = ids[:2 * STEP_TOKENS + 5] if args.quick else ids
         rows = quality(model, ids)
-        section = quality_section(rows, len(ids), command, time.time() - t0)
+        greedy = fixture_greedy(model, 3 if args.quick else 40)
+        section = quality_section(rows, len(ids), command, time.time() - t0, greedy)
         print(section)
         if write:
             replace_section("kv-dtype-quality", section)

@@ -17,6 +17,7 @@ from tinyllm.paged import PagedKVCache
 from tinyllm.sampling import SamplingParams
 from tinyllm.speculative import speculative_generate
 from test_model import random_model
+from test_paged import _greedy as greedy
 from tiny_gguf import tiny_llama
 
 ROUNDED = ("float16", "int8")
@@ -27,14 +28,6 @@ def stored(rng, shape, kv_dtype, scale=1.0):
     kv = kv_storage(shape, kv_dtype)
     kv[:] = (rng.normal(size=shape) * scale).astype(np.float32)
     return kv, as_float32(kv)
-
-
-def greedy(model, prompt, n, cache):
-    logits, out = model.prefill(prompt, cache), []
-    for _ in range(n):
-        out.append(int(np.argmax(logits)))
-        logits = model.decode_step(out[-1], cache)
-    return out, logits
 
 
 # --- formats ----------------------------------------------------------------------------------------------------
