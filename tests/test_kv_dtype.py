@@ -214,6 +214,41 @@ def test_cli_kv_dtype(tmp_path):
     assert bad.returncode == 2 and b"--kv-dtype" in bad.stderr
 
 
+WARMUP_CHECK = """
+import sys
+from numba.core.registry import CPUDispatcher
+from test_model import random_model
+from tinyllm import paged
+from tinyllm.kernels import attention_kernels, block
+
+kv_dtype = sys.argv[1]
+model = random_model("llama", context_length=64, dim=64, ffn_dim=64, quant="q4_1")
+def signatures():
+    return {(mod.__name__, name, sig) for mod in (attention_kernels, block) for name, f in vars(mod).items()
+            if isinstance(f, CPUDispatcher) for sig in f.signatures}
+cache = model.new_cache(64, kv_dtype)                                  # warms up this format's kernels
+pool = paged.PagedKVCache(model.config, block_size=4, num_blocks=32, kv_dtype=kv_dtype)   # and the paged ones
+before = signatures()
+model.prefill([1, 2, 3, 4, 5], cache)
+model.decode_step(6, cache)
+model.forward([7, 8, 9], cache)
+model.prefill(list(range(1, 21)), model.new_cache(64, kv_dtype))
+seqs = [pool.new_sequence() for _ in range(3)]
+model.forward_batch([[1, 2], [3], [4, 5, 6]], seqs)
+model.decode_batch([1, 2, 3], seqs)
+new = signatures() - before
+assert not new, new
+"""
+
+
+@pytest.mark.parametrize("kv_dtype", ROUNDED)
+def test_a_rounded_cache_compiles_its_kernels_when_made_not_mid_request(kv_dtype):
+    """In a fresh process (kernels compiled by earlier tests would hide a gap)."""
+    r = subprocess.run([sys.executable, "-c", WARMUP_CHECK, kv_dtype], cwd=Path(__file__).parent,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 # --- the real model ------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_float16_cache_keeps_the_reference_greedy_outputs(default_model):

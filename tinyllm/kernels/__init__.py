@@ -8,6 +8,7 @@ ops.py and a parity test (tests/test_kernels.py). The files, in the order a deco
     intdot.py             integer dot products (AVX-512 VNNI, in LLVM IR) with their written contract and plain twins
     pointwise.py          RMSNorm, RoPE, SwiGLU
     attention_kernels.py  decode (flash-decoding), causal (prompts) and paged (PagedAttention) attention
+    kv_formats.py         the KV cache's stored formats (float32, float16, int8) as the kernels read and write them
     block.py              a whole Llama block of a decode step as one compiled call
     blas.py               the ops of a pass too long for these kernels: BLAS sgemm and numpy attention
     numerics.py           compile options, a vectorisable exp, softmax
