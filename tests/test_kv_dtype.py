@@ -69,6 +69,36 @@ def test_unknown_kv_dtype_is_a_one_line_error():
             make()
 
 
+def test_float16_conversions_without_f16c_give_numpys_bits():
+    """The integer-arithmetic fallbacks (x86 without F16C): every half -> float, and float -> nearest half (ties
+    to even at every midpoint, overflow to inf, subnormals) equal numpy's, bit for bit."""
+    from numba import njit
+    from tinyllm.kernels import kv_formats
+    to_float, to_half = kv_formats._half_bits_to_float_int, kv_formats._float_to_half_bits_int
+
+    @njit
+    def both(bits, x, floats, halves):
+        for i in range(bits.shape[0]):
+            floats[i] = to_float(bits[i])
+        for i in range(x.shape[0]):
+            halves[i] = to_half(x[i])
+
+    bits = np.arange(2**16).astype(np.uint16)
+    halves = bits.view(np.float16).astype(np.float32)                 # every half, as float32
+    finite = np.unique(halves[np.isfinite(halves)])
+    rng = np.random.default_rng(19)
+    x = np.concatenate([finite, (finite[:-1] + finite[1:]) / 2,      # every half and every midpoint between two
+                        rng.normal(size=10_000).astype(np.float32) * np.float32(1e-6),
+                        np.array([65519.99, 65520, 1e9, np.inf, -np.inf], np.float32)]).astype(np.float32)
+    floats, got = np.empty(bits.size, np.float32), np.empty(x.size, np.uint16)
+    both(bits, x, floats, got)
+    nan = np.isnan(halves)
+    np.testing.assert_array_equal(floats[~nan].view(np.uint32), halves[~nan].view(np.uint32))
+    assert np.isnan(floats[nan]).all()
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(got, x.astype(np.float16).view(np.uint16))
+
+
 # --- kernels == numpy twins on each stored format ----------------------------------------------------------------
 @pytest.mark.parametrize("kv_dtype", ROUNDED)
 @pytest.mark.parametrize("T, start", [(1, 40), (4, 7), (17, 3), (20, 200)])

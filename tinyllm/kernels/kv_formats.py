@@ -8,31 +8,88 @@ and writing a new row (the fused block stores its token's K/V itself).
 
 Each helper below is specialised to its argument types when a kernel compiles, so a float32 cache compiles to the
 same loops as before and the float16 / int8 variants are compiled only by a model that uses them. A float16
-value is widened by one instruction (F16C's vcvtph2ps, which every x86-64 CPU with AVX2 has), in LLVM IR.
+value is widened by one instruction (F16C's vcvtph2ps, which every x86-64 CPU with AVX2 has), in LLVM IR; without
+F16C (or with TINYLLM_NO_F16C=1) by integer arithmetic that gives the same bits.
 """
 from __future__ import annotations
 
+import os
+import platform
+
+import llvmlite.binding as llvm
 import numpy as np
 from llvmlite import ir
-from numba import config, types
+from numba import config, njit, types
 from numba.extending import intrinsic, overload
 
 from ..kv_cache import QuantizedKV
 
+def _host_converts_halves() -> bool:
+    """Whether LLVM may convert float16 <-> float32 in one instruction here: x86 needs F16C (every CPU with AVX2
+    has it; a portable NUMBA_CPU_NAME build assumes none), other targets have it in their base set."""
+    if config.CPU_NAME or os.environ.get("TINYLLM_NO_F16C", "") not in ("", "0"):
+        return False
+    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
+        return True
+    return "+f16c" in llvm.get_host_cpu_features().flatten().split(",")
+
+
+F16C = not config.DISABLE_JIT and _host_converts_halves()
+
 if not config.DISABLE_JIT:
+    from .numerics import _float32_from_bits
+
     @intrinsic
-    def _half_bits_to_float(typingctx, bits):
+    def _half_bits_to_float_f16c(typingctx, bits):
         """uint16 holding a float16's bits -> that value as float32 (exact)."""
         def codegen(context, builder, signature, args):
             return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
         return types.float32(types.uint16), codegen
 
     @intrinsic
-    def _float_to_half_bits(typingctx, x):
+    def _float_to_half_bits_f16c(typingctx, x):
         """float32 -> the bits of the nearest float16 (ties to even, as numpy's astype(float16))."""
         def codegen(context, builder, signature, args):
             return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
         return types.uint16(types.float32), codegen
+
+    @intrinsic
+    def _bits_of_float32(typingctx, x):
+        """float32 -> the int32 with the same bits (a reinterpretation)."""
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.IntType(32))
+        return types.int32(types.float32), codegen
+
+    @njit(inline="always")
+    def _half_bits_to_float_int(bits):
+        """The same conversion in integer arithmetic (x86 without F16C): the exponent and mantissa bits shifted into
+        a float's places and multiplied by 2^112 (127 - 15 = 112: the two exponent biases), which is exact for
+        normal and subnormal halves alike; infinities and NaNs map to theirs."""
+        h = np.int32(bits)
+        sign = np.int32((h & 0x8000) << 16)
+        rest = np.int32(h & 0x7fff)
+        if rest >= 0x7c00:
+            return _float32_from_bits(np.int32(sign | 0x7f800000 | ((rest & 0x3ff) << 13)))
+        f = _float32_from_bits(np.int32(rest << 13)) * np.float32(2.0 ** 112)
+        return _float32_from_bits(np.int32(_bits_of_float32(f) | sign))
+
+    @njit(inline="always")
+    def _float_to_half_bits_int(x):
+        """float32 -> nearest float16's bits, ties to even, in integer arithmetic (x86 without F16C)."""
+        b = _bits_of_float32(x)
+        sign = (b >> 16) & 0x8000
+        a = b & 0x7fffffff                                   # |x| as bits
+        if a >= 0x47800000:                                  # >= 65536, inf, nan: beyond every finite half
+            return np.uint16(sign | (0x7e00 if a > 0x7f800000 else 0x7c00))
+        if a < 0x38800000:                                   # below 2^-14: a subnormal half. Adding 0.5, whose ulp is
+            # 2^-24 (the subnormal step), rounds |x| to that step in hardware; the float's low bits are the count
+            return np.uint16(sign | (_bits_of_float32(_float32_from_bits(a) + np.float32(0.5)) - 0x3f000000))
+        # rebias the exponent, then round the 13 dropped mantissa bits to nearest, ties to even (a carry into the
+        # exponent is right, up to 65520 -> inf)
+        return np.uint16(sign | ((a - 0x38000000 + 0xfff + ((a >> 13) & 1)) >> 13))
+
+    _half_bits_to_float = _half_bits_to_float_f16c if F16C else _half_bits_to_float_int
+    _float_to_half_bits = _float_to_half_bits_f16c if F16C else _float_to_half_bits_int
 
 
 def kernel_operands(kv) -> tuple[np.ndarray, np.ndarray | None]:
