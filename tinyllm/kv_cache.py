@@ -63,12 +63,16 @@ INT8_GROUP = 32   # int8: values per scale (None: one per position and KV head);
 
 
 def check_kv_dtype(kv_dtype) -> str:
-    """"float32" / "float16" / "int8" (numpy's float32 and float16 types are accepted too) -> the name."""
-    if kv_dtype in (np.float32, np.float16):
-        kv_dtype = np.dtype(kv_dtype).name
-    if not isinstance(kv_dtype, str) or kv_dtype not in KV_DTYPES:
+    """"float32" / "float16" / "int8" (numpy's np.float32, np.float16, np.int8 are accepted too) -> the name."""
+    name = kv_dtype
+    if kv_dtype is not None and not isinstance(kv_dtype, str):
+        try:
+            name = np.dtype(kv_dtype).name
+        except TypeError:
+            pass
+    if not isinstance(name, str) or name not in KV_DTYPES:
         raise ValueError(f"unknown kv_dtype {kv_dtype!r}; choose one of: {', '.join(KV_DTYPES)}")
-    return kv_dtype
+    return name
 
 
 def int8_group(head_dim: int) -> int:
