@@ -131,10 +131,13 @@ def filled_cache(model, S: int, kv_dtype: str, rng):
     return cache
 
 
-def speed(model, contexts, rounds: int, steps: int) -> dict:
-    """Median seconds per decode step for each (context, kv_dtype), the kv_dtypes interleaved round by round."""
+def speed(model, contexts, rounds: int, steps: int) -> tuple[dict, dict]:
+    """Median seconds per decode step for each (context, kv_dtype), the kv_dtypes interleaved round by round; and
+    of one layer's attention call alone (the kernel reading the stored format), to tell compute from bandwidth."""
     rng = np.random.default_rng(0)
-    times = {}
+    times, attention = {}, {}
+    H, Dh = model.config.n_heads, model.config.head_dim
+    q = rng.standard_normal((1, H, Dh), dtype=np.float32)                                     # [1, H, Dh]
     for S in contexts:
         S = min(S, model.config.context_length - 1)                 # 8,192: 8,191 cached + the new token
         caches = {d: filled_cache(model, S, d, rng) for d in kv_cache.KV_DTYPES}
@@ -148,20 +151,29 @@ def speed(model, contexts, rounds: int, steps: int) -> dict:
                     model.decode_step(100 + i, c)
                     times.setdefault((S, d), []).append(time.perf_counter() - t0)
                     c.truncate(S)
+                for layer in range(steps):                          # a different layer's K/V each call
+                    k, v = c.k[layer % len(model.layers), :S + 1], c.v[layer % len(model.layers), :S + 1]
+                    t0 = time.perf_counter()
+                    model.ops.attention(q, k, v, S)
+                    attention.setdefault((S, d), []).append(time.perf_counter() - t0)
         del caches
-    return {key: float(np.median(t)) for key, t in times.items()}
+    return ({key: float(np.median(t)) for key, t in times.items()},
+            {key: float(np.median(t)) for key, t in attention.items()})
 
 
-def speed_section(model, res: dict, command: str) -> str:
+def speed_section(model, res: dict, attention: dict, command: str) -> str:
     lines = ["## KV cache formats: decode speed", "",
              f"Measured {time.strftime('%Y-%m-%d %H:%M')} with `{command}` on {machine_line(machine_info())}. "
              f"Batch 1, {model.quant} weights ({model.weight_bytes / 1e6:.0f} MB), the cache filled to the context; "
              f"medians over interleaved rounds. Targets (issue 19) at 2,048 tokens: float16 >= 1.1x, int8 >= 1.25x "
              f"the float32 cache.", "",
-             "| context | KV format | KV MB read per step | decode tok/s | vs float32 |", "|---|---|---|---|---|"]
+             "| context | KV format | KV MB read per step | decode tok/s | vs float32 | attention per layer, us | "
+             "its KV read, GB/s |", "|---|---|---|---|---|---|---|"]
     for (S, d), t in res.items():
-        kv_mb = S * model.config.kv_bytes_per_token(d) / 1e6
-        lines.append(f"| {S:,} | {d} | {kv_mb:.1f} | {1 / t:.1f} | {res[S, 'float32'] / t:.2f}x |")
+        kv_bytes = S * model.config.kv_bytes_per_token(d)
+        a = attention[S, d]
+        lines.append(f"| {S:,} | {d} | {kv_bytes / 1e6:.1f} | {1 / t:.1f} | {res[S, 'float32'] / t:.2f}x | "
+                     f"{a * 1e6:.0f} | {kv_bytes / model.config.n_layers / a / 1e9:.1f} |")
     return "\n".join(lines)
 
 
@@ -195,7 +207,7 @@ def main() -> None:
     if args.speed:
         model = tinyllm.load(quant=args.quant)
         contexts, rounds, steps = ((64, 256), 1, 3) if args.quick else (CONTEXTS, 5, 10)
-        section = speed_section(model, speed(model, contexts, rounds, steps), command)
+        section = speed_section(model, *speed(model, contexts, rounds, steps), command)
         print(section)
         if write:
             replace_section("kv-dtype-speed", section)
