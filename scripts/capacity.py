@@ -106,8 +106,13 @@ def model_shape(args) -> ModelShape:
         shape = file_shape(path, args.format)
     else:
         shape = capacity.SHAPES[args.preset]
+    if args.kv_dtype and args.kv_bytes:
+        fail("give --kv-bytes or --kv-dtype, not both")
+    kv_bytes = args.kv_bytes
+    if args.kv_dtype:
+        kv_bytes = capacity.kv_dtype_bytes(args.kv_dtype, args.head_dim or shape.head_dim)
     changes = dict(layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim, params=args.params,
-                   weight_bytes=args.weights, kv_bytes_per_value=args.kv_bytes)
+                   weight_bytes=args.weights, kv_bytes_per_value=kv_bytes)
     changed = [f"{k}={v:g}" for k, v in changes.items() if v is not None]
     name = f"{shape.name}, changed: {', '.join(changed)}" if changed else shape.name
     return shape.replace(name=name, **changes)
@@ -142,6 +147,13 @@ def cmd_concurrency(args, shape: ModelShape) -> None:
                                               weight_bytes=shape.weight_bytes, context=context,
                                               kv_bytes_per_token=shape.kv_bytes_per_token)
         print(f"  {context:>9,} tokens each ({context * shape.kv_bytes_per_token / GiB:.3f} GiB): {n:,} sequences")
+    print("the same memory with each tinyllm KV cache format (--kv-dtype):")
+    for context in args.context:
+        fits = capacity.sequences_by_kv_dtype(shape, memory_bytes=args.memory, usable_fraction=args.usable,
+                                              context=context)
+        print(f"  {context:>9,} tokens each: " + ", ".join(
+            f"{d} {r['sequences']:,}" + (f" ({r['vs_float32']:.2f}x)" if r["vs_float32"] and d != "float32" else "")
+            for d, r in fits.items()))
 
 
 def cmd_step(args, shape: ModelShape) -> None:
@@ -304,6 +316,8 @@ def main(argv=None) -> None:
     g.add_argument("--params", type=amount, help="parameter count, e.g. 7e9 or 7G")
     g.add_argument("--weights", type=amount, help="weight bytes, e.g. 14GB or 14GiB")
     g.add_argument("--kv-bytes", type=float, help="bytes per cached K/V value (2 = fp16, 1 = int8)")
+    g.add_argument("--kv-dtype", choices=["float32", "float16", "int8"],
+                   help="bytes per K/V value of a tinyllm cache format (int8: 1 + a float16 scale per 32 values)")
     h = shape_flags.add_argument_group("hardware")
     h.add_argument("--bandwidth", type=amount, default=2e12, help="memory bandwidth, bytes/s (default 2TB)")
     h.add_argument("--peak-flops", type=amount, default=2e14, help="peak compute, FLOP/s (default 200T)")

@@ -50,6 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="KV cache: one contiguous reservation, or blocks from a pool as the sequence grows")
     p.add_argument("--kv-memory", default=None,
                    help="with --kv paged: the KV pool's budget, e.g. 64MiB; a request that could outgrow it is refused")
+    p.add_argument("--kv-dtype", default="float32", choices=["float32", "float16", "int8"],
+                   help="how the KV cache stores K and V: float16 halves its memory, int8 (with a scale per "
+                        "position and head) needs about a quarter; rounded once, when stored")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -92,6 +95,7 @@ def main(argv=None) -> int:
         kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                       top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                       seed=args.seed, stop=args.stop, chat=chat, kv=args.kv, kv_memory=args.kv_memory,
+                      kv_dtype=args.kv_dtype,
                       speculative=draft, num_draft=args.num_draft, ignore_eos=args.ignore_eos)
         if args.json:
             res = tinyllm.generate(model, args.prompt, **kwargs)

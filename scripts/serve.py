@@ -40,6 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = p.add_argument_group("engine")
     g.add_argument("--kv-memory", default="256MiB", help="KV cache pool size")
     g.add_argument("--block-size", type=int, default=16, help="positions per KV block")
+    g.add_argument("--kv-dtype", default="float32", choices=["float32", "float16", "int8"],
+                   help="how the pool stores K and V (float16: 2x the sequences in the same memory, int8: ~3.8x)")
     g.add_argument("--max-num-seqs", type=int, default=16, help="requests running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step")
     g.add_argument("--policy", default="continuous", choices=POLICIES)
@@ -80,7 +82,7 @@ def main(argv=None) -> int:
                                 api_key=args.api_key, lab=not args.no_lab)
         server = build_app(model, options, kv_memory=args.kv_memory, block_size=args.block_size,
                            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                           policy=args.policy, prefix_caching=not args.no_prefix_caching,
+                           policy=args.policy, prefix_caching=not args.no_prefix_caching, kv_dtype=args.kv_dtype,
                            long_prefill_tokens=args.long_prefill_tokens)
     except (ValueError, FetchError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

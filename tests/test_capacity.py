@@ -76,6 +76,22 @@ def test_a_tinyllm_config_gives_the_same_kv_bytes_as_its_shape():
                     context_length=8192)
     shape = capacity.ModelShape.from_config(c)
     assert shape.kv_bytes_per_token == c.kv_bytes_per_token(4) == 2 * 30 * 3 * 64 * 4
+    for kv_dtype in ("float32", "float16", "int8"):
+        assert capacity.ModelShape.from_config(c, kv_dtype=kv_dtype).kv_bytes_per_token == c.kv_bytes_per_token(kv_dtype)
+
+
+def test_sequences_that_fit_with_each_kv_dtype():
+    """1 GiB, 90% usable, weights 0.1 GiB: 0.8 GiB of KV; SmolLM2 at 2,048 tokens holds 90 / 45 / 12 KiB per
+    token (float32 / float16 / int8 with its scales)."""
+    c = ModelConfig(arch="llama", vocab_size=100, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_dim=1536,
+                    context_length=8192)
+    shape = capacity.ModelShape.from_config(c, weight_bytes=0.1 * GiB)
+    fits = capacity.sequences_by_kv_dtype(shape, memory_bytes=GiB, usable_fraction=0.9, context=2048)
+    free = 0.8 * GiB
+    for kv_dtype, per_token in (("float32", 46_080), ("float16", 23_040), ("int8", 12_240)):
+        assert fits[kv_dtype]["kv_bytes_per_token"] == per_token
+        assert fits[kv_dtype]["sequences"] == int(free // (2048 * per_token))
+    assert fits["float16"]["vs_float32"] == fits["float16"]["sequences"] / fits["float32"]["sequences"] >= 2
 
 
 def test_concurrent_sequences_on_an_80_gib_device():
@@ -213,6 +229,7 @@ def test_capacity_cli_prints_the_seed_figures():
     r = script("capacity.py", "concurrency", "--preset", "7b", "--weights", "14GiB", "--kv-heads", "8",
                "--context", "1000")
     assert r.returncode == 0 and "475 sequences" in r.stdout, r.stderr
+    assert "float32 237, float16 475 (2.00x), int8 894 (3.77x)" in r.stdout       # the 7b preset stores fp16
     r = script("capacity.py", "batching", "--slots", "4", "--requests", "10", "4", "6", "24", "14", "20", "18")
     assert r.returncode == 0 and "everything done at step 28 vs 44" in r.stdout, r.stderr
 

@@ -137,6 +137,14 @@ def test_completion_greedy_equals_generate_and_usage_counts(running, tiny):
     assert a == b == tinyllm.generate(tiny, ids, max_new_tokens=10, temperature=1.0, seed=4, ignore_eos=True).text
 
 
+def test_kv_dtype_reaches_the_pool_and_answers_as_generate_does(running, tiny):
+    srv = running(kv_dtype="int8")
+    assert srv.server.engine.pool.kv_dtype == "int8"
+    r = srv.post("/v1/completions", {"prompt": "hello world", "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+    ref = tinyllm.generate(tiny, "hello world", max_new_tokens=8, ignore_eos=True, kv_dtype="int8")
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref.text
+
+
 def test_chat_stream_is_openai_chunks_and_contents_are_text(running, tiny):
     srv = running()
     messages = [{"role": "user", "content": "say <|im_end|> please"}]

@@ -35,6 +35,28 @@ def kv_bytes_per_sequence(*, layers: int, kv_heads: int, head_dim: int, bytes_pe
                                         bytes_per_value=bytes_per_value)
 
 
+def kv_dtype_bytes(kv_dtype: str, head_dim: int) -> float:
+    """Average bytes per cached value of a tinyllm kv_dtype: float32 4, float16 2, int8 1 plus its share of a
+    float16 scale per 32 values (1.0625; kv_cache.py)."""
+    from .kv_cache import bytes_per_value
+    return bytes_per_value(kv_dtype, head_dim)
+
+
+def sequences_by_kv_dtype(shape: "ModelShape", *, memory_bytes: float, usable_fraction: float,
+                          context: int) -> dict:
+    """How many sequences of `context` tokens fit beside the weights with each tinyllm kv_dtype.
+    -> {kv_dtype: dict(kv_bytes_per_token, sequences, vs_float32)}; vs_float32 is None when float32 fits none."""
+    from .kv_cache import KV_DTYPES
+    out = {}
+    for kv_dtype in KV_DTYPES:
+        per_token = shape.replace(kv_bytes_per_value=kv_dtype_bytes(kv_dtype, shape.head_dim)).kv_bytes_per_token
+        n = max_concurrent_sequences(memory_bytes=memory_bytes, usable_fraction=usable_fraction,
+                                     weight_bytes=shape.weight_bytes, context=context, kv_bytes_per_token=per_token)
+        base = out["float32"]["sequences"] if out else n
+        out[kv_dtype] = dict(kv_bytes_per_token=per_token, sequences=n, vs_float32=n / base if base else None)
+    return out
+
+
 def max_concurrent_sequences(*, memory_bytes: float, usable_fraction: float, weight_bytes: float, context: int,
                              kv_bytes_per_token: float) -> int:
     """How many sequences of `context` tokens fit beside the weights in the usable share of device memory
@@ -161,16 +183,20 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config: ModelConfig, weight_bytes: float | None = None,
-                    kv_bytes_per_value: float = 4) -> "ModelShape":
-        """A tinyllm config. Weights default to float32; tinyllm's KV cache stores float32 (4 bytes)."""
+                    kv_bytes_per_value: float = 4, kv_dtype: str | None = None) -> "ModelShape":
+        """A tinyllm config. Weights default to float32; the KV cache to float32 (4 bytes per value), or the
+        bytes of `kv_dtype` ("float16", "int8") when given."""
+        if kv_dtype is not None:
+            kv_bytes_per_value = kv_dtype_bytes(kv_dtype, config.head_dim)
         return cls(config.name or config.arch, config.n_layers, config.n_kv_heads, config.head_dim,
                    config.n_params, 4 * config.n_params if weight_bytes is None else weight_bytes,
                    kv_bytes_per_value)
 
     @classmethod
-    def from_model(cls, model) -> "ModelShape":
-        """A loaded tinyllm Transformer, with the bytes its weights really take in their format."""
-        shape = cls.from_config(model.config, weight_bytes=model.weight_bytes)
+    def from_model(cls, model, kv_dtype: str | None = None) -> "ModelShape":
+        """A loaded tinyllm Transformer, with the bytes its weights really take in their format (and a KV cache
+        of kv_dtype, float32 by default)."""
+        shape = cls.from_config(model.config, weight_bytes=model.weight_bytes, kv_dtype=kv_dtype)
         return shape.replace(name=f"{shape.name} ({model.quant or 'fp32'})")
 
 

@@ -64,9 +64,14 @@ class ModelConfig:
     def kv_dim(self) -> int:  # KVH * Dh
         return self.n_kv_heads * self.head_dim
 
-    def kv_bytes_per_token(self, bytes_per_value: int = 4) -> int:
-        """KV cache bytes one token costs: K and V, every layer, every KV head: 2 * L * KVH * Dh * bytes."""
-        return 2 * self.n_layers * self.kv_dim * bytes_per_value
+    def kv_bytes_per_token(self, kv_dtype: str | int = "float32") -> int:
+        """KV cache bytes one token costs: K and V, every layer, every KV head: 2 * L * KVH * Dh * bytes per value.
+        kv_dtype: "float32" (4 bytes), "float16" (2), "int8" (1, plus a float16 scale per 32: kv_cache.py), or
+        a plain number of bytes per value. SmolLM2-135M: 46,080 / 23,040 / 12,240."""
+        if not isinstance(kv_dtype, (int, float)):
+            from .kv_cache import bytes_per_value     # (kv_cache imports this module)
+            kv_dtype = bytes_per_value(kv_dtype, self.head_dim)
+        return round(2 * self.n_layers * self.kv_dim * kv_dtype)
 
     @property
     def n_params(self) -> int:

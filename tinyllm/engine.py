@@ -50,7 +50,8 @@ class StepRecord:
 class Engine:
     """Requests in, token events out. See the module docstring for an example.
 
-    model: a Transformer. KV pool: `kv_memory` ("512MiB") or `num_blocks`, of `block_size` positions each.
+    model: a Transformer. KV pool: `kv_memory` ("512MiB") or `num_blocks`, of `block_size` positions each, storing
+    K/V as `kv_dtype` ("float32", "float16", "int8": the same budget holds 2x or ~3.8x the positions).
     Scheduling: `policy` ("continuous" or "static"), `max_num_seqs` running at once, `max_num_batched_tokens` per
     step, `chunked_prefill`, `watermark` (share of the pool admission leaves free), `long_prefill_tokens` (most
     prompt tokens of one request per step). clock: a function returning seconds (tests pass a fake one).
@@ -62,11 +63,11 @@ class Engine:
                  block_size: int = 16, max_num_seqs: int = 16, max_num_batched_tokens: int = 512,
                  policy: str = "continuous", chunked_prefill: bool = True, prefix_caching: bool = True,
                  watermark: float = 0.01, long_prefill_tokens: int | None = None,
-                 clock: Callable[[], float] = time.perf_counter, history: int = 10_000):
+                 clock: Callable[[], float] = time.perf_counter, history: int = 10_000, kv_dtype: str = "float32"):
         if kv_memory is None and num_blocks is None:
             kv_memory = "256MiB"
         self.model, self.clock = model, clock
-        self.pool = PagedKVCache(model.config, block_size, num_blocks, kv_memory, prefix_caching)
+        self.pool = PagedKVCache(model.config, block_size, num_blocks, kv_memory, prefix_caching, kv_dtype)
         self.scheduler = Scheduler(self.pool, policy, max_num_seqs, max_num_batched_tokens, chunked_prefill,
                                    watermark, long_prefill_tokens)
         if not isinstance(history, int) or history < 1:

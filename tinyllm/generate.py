@@ -15,6 +15,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from .kv_cache import check_kv_dtype
 from .sampling import SamplingParams, sample
 
 FINISH_REASONS = ("eos", "stop_string", "length", "context")
@@ -94,7 +95,7 @@ def stream(model, prompt, max_new_tokens: int = 256, temperature: float = 0.0, t
            top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0, seed: int | None = None,
            stop: Sequence[str] = (), chat: bool = False, speculative=None, num_draft: int = 4,
            kv: str = "contiguous", kv_memory: str | int | None = None, ignore_eos: bool = False,
-           trace=None) -> Stream:
+           trace=None, kv_dtype: str = "float32") -> Stream:
     """Generate from `prompt` and yield text pieces as they decode (never half a UTF-8 character).
 
     prompt: a string (used as is, or wrapped in the model's chat template if `chat=True`), a list of chat
@@ -102,6 +103,8 @@ def stream(model, prompt, max_new_tokens: int = 256, temperature: float = 0.0, t
     kv: "contiguous" (one array reserved for the whole generation) or "paged" (blocks taken as the
     sequence grows, paged.py); both give the same tokens. kv_memory ("64MiB", bytes): with kv="paged", the
     pool's budget; a request that could outgrow it is refused before any work.
+    kv_dtype: how the cache stores K and V: "float32", "float16" (half the memory) or "int8" (about a quarter;
+    kv_cache.py); the values are rounded once, when stored.
     ignore_eos: keep generating past the end-of-sequence token (benchmarks use it for fixed output lengths).
     trace: True (or a trace.Trace, to choose layers, heads and the position cap) records what the model did
     inside, layer by layer, and every sampling stage; `result.trace` holds it. Same tokens, slower steps.
@@ -127,9 +130,10 @@ def stream(model, prompt, max_new_tokens: int = 256, temperature: float = 0.0, t
         raise ValueError(f"unknown kv {kv!r}; choose one of: {', '.join(KV_CHOICES)}")
     if kv_memory is not None and kv != "paged":
         raise ValueError("kv_memory sizes the paged pool: use it with kv='paged'")
+    kv_dtype = check_kv_dtype(kv_dtype)
     holder: list = []
     return Stream(_run(model, prompt, params, max_new_tokens, stops, chat, holder, speculative,
-                       (kv, kv_memory), ignore_eos, trace), holder)
+                       (kv, kv_memory, kv_dtype), ignore_eos, trace), holder)
 
 
 def generate(model, prompt, **kwargs) -> GenerationResult:
@@ -184,19 +188,23 @@ def as_token_ids(values, what: str = "prompt") -> list[int]:
                      f"{what} must be a list of integer token ids; got {type(values).__name__} {str(values)[:40]!r}")
 
 
-def new_cache(model, max_seq_len: int, kv: str = "contiguous", kv_memory: str | int | None = None):
-    """A KV cache for one generation: a contiguous reservation, or a sequence in a paged pool (just big enough,
-    or of `kv_memory` bytes; a budget that cannot hold max_seq_len positions is refused here, before any work)."""
+def new_cache(model, max_seq_len: int, kv: str = "contiguous", kv_memory: str | int | None = None,
+              kv_dtype: str = "float32"):
+    """A KV cache for one generation storing K/V as kv_dtype: a contiguous reservation, or a sequence in a paged
+    pool (just big enough, or of `kv_memory` bytes; a budget that cannot hold max_seq_len positions is refused
+    here, before any work)."""
     if kv == "contiguous":
-        return model.new_cache(max_seq_len)
+        return model.new_cache(max_seq_len, kv_dtype)
     from .paged import PagedKVCache
     if kv_memory is None:
-        return PagedKVCache(model.config, block_size=16, num_blocks=-(-max_seq_len // 16)).new_sequence()
+        return PagedKVCache(model.config, block_size=16, num_blocks=-(-max_seq_len // 16),
+                            kv_dtype=kv_dtype).new_sequence()
     try:
-        pool = PagedKVCache(model.config, block_size=16, memory=kv_memory)
+        pool = PagedKVCache(model.config, block_size=16, memory=kv_memory, kv_dtype=kv_dtype)
     except MemoryError:
         raise ValueError(f"KV memory {kv_memory} cannot be allocated on this machine: give a smaller budget "
-                         f"(this request needs {max_seq_len * model.config.kv_bytes_per_token():,} bytes)") from None
+                         f"(this request needs {max_seq_len * model.config.kv_bytes_per_token(kv_dtype):,} "
+                         f"bytes)") from None
     capacity = pool.num_blocks * pool.block_size
     if capacity < max_seq_len:
         raise ValueError(f"KV memory {kv_memory} holds {capacity} positions ({pool.bytes_per_token:,} bytes each) but "
@@ -251,7 +259,7 @@ def _plain_tokens(model, ids: list[int], cache, logits, params: SamplingParams, 
 
 
 def _run(model, prompt, params: SamplingParams, max_new_tokens: int, stops: StopStrings, chat: bool,
-         holder: list, speculative=None, kv=("contiguous", None), ignore_eos: bool = False,
+         holder: list, speculative=None, kv=("contiguous", None, "float32"), ignore_eos: bool = False,
          trace=None) -> Iterator[str]:
     t_start = time.perf_counter()
     tok = model.tokenizer

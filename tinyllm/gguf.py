@@ -257,12 +257,13 @@ def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.nd
     blocks = raw.reshape(-1, block_bytes)                           # [n_blocks, block_bytes]
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)   # [n_blocks, 1] scale
     out = np.empty((blocks.shape[0], QK), dtype=np.float32)         # [n_blocks, 32]
-    if type_name == "Q8_0":
-        np.multiply(blocks[:, 2:].view(np.int8), d, out=out)
-        return out.reshape(shape)
-    nibbles = blocks[:, -16:]                                       # [n_blocks, 16]
-    np.multiply(nibbles & 0x0F, d, out=out[:, :16])                 # values 0..15 times the scale
-    np.multiply(nibbles >> 4, d, out=out[:, 16:])
-    # Q4_0 centres its values on 8, Q4_1 adds a stored minimum
-    out += -8 * d if type_name == "Q4_0" else blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):              # a corrupt scale: weights.check_finite names it
+        if type_name == "Q8_0":
+            np.multiply(blocks[:, 2:].view(np.int8), d, out=out)
+            return out.reshape(shape)
+        nibbles = blocks[:, -16:]                                   # [n_blocks, 16]
+        np.multiply(nibbles & 0x0F, d, out=out[:, :16])             # values 0..15 times the scale
+        np.multiply(nibbles >> 4, d, out=out[:, 16:])
+        # Q4_0 centres its values on 8, Q4_1 adds a stored minimum
+        out += -8 * d if type_name == "Q4_0" else blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
     return out.reshape(shape)

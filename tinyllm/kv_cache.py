@@ -4,7 +4,14 @@ Without a cache, generating token n recomputes K and V for all n earlier tokens 
 generation); with it, each step computes one token's K/V and reads the rest back (O(n) memory).
 
 Storage is preallocated once for `max_seq_len` positions: k and v are each [L, S_max, KVH, Dh]. The cost per
-token is 2 * L * KVH * Dh * 4 bytes in float32 (SmolLM2-135M: 2*30*3*64*4 = 46,080 bytes = 45 KiB).
+token is 2 * L * KVH * Dh * bytes per value (SmolLM2-135M: 2*30*3*64 = 11,520 values: 46,080 bytes in float32).
+
+`kv_dtype` is how each value is stored (llama.cpp keeps K/V in fp16 by default and offers 8-bit; vLLM fp8):
+    "float32"  exact                                          46,080 B/token for SmolLM2
+    "float16"  rounded to half precision when stored          23,040 B/token
+    "int8"     int8 values + a float16 scale per 32 values    12,240 B/token (Q8_0's layout, per position and head)
+The values are rounded once, when a token's K/V are written; attention reads the stored format (the kernels
+convert as they load, ops.attention dequantizes in numpy), so every reader sees the same rounded values.
 The contract (shared with the paged cache): `update` writes new positions and returns views of the whole
 history, `length` counts committed tokens, `truncate` rolls back (speculative decoding's rejected drafts).
 
@@ -50,17 +57,125 @@ def attention_groups(segments: list[Segment]) -> list:
     return [paged[0].cache.pool.decode_batch(paged)] + [s for s in segments if id(s) not in batched]
 
 
+# --- how K and V are stored -------------------------------------------------------------------------------------
+KV_DTYPES = ("float32", "float16", "int8")
+INT8_GROUP = 32   # int8: values per scale (None: one per position and KV head); 32 loses less (benchmarks/kv_dtype.py)
+
+
+def check_kv_dtype(kv_dtype) -> str:
+    """"float32" / "float16" / "int8" (numpy's np.float32, np.float16, np.int8 are accepted too) -> the name."""
+    name = kv_dtype
+    if kv_dtype is not None and not isinstance(kv_dtype, str):
+        try:
+            name = np.dtype(kv_dtype).name
+        except TypeError:
+            pass
+    if not isinstance(name, str) or name not in KV_DTYPES:
+        raise ValueError(f"unknown kv_dtype {kv_dtype!r}; choose one of: {', '.join(KV_DTYPES)}")
+    return name
+
+
+def int8_group(head_dim: int) -> int:
+    """Values that share one int8 scale: the whole head, or INT8_GROUP when set and it divides the head."""
+    return INT8_GROUP if INT8_GROUP and head_dim % INT8_GROUP == 0 else head_dim
+
+
+def bytes_per_value(kv_dtype: str, head_dim: int) -> float:
+    """Average bytes one stored K or V value costs, its share of a scale included."""
+    kv_dtype = check_kv_dtype(kv_dtype)
+    return {"float32": 4.0, "float16": 2.0}.get(kv_dtype, 1.0 + 2.0 / int8_group(head_dim))
+
+
+def quantize_int8(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 rounding in groups of `group` values along the last axis, as llama.cpp's Q8_0: the scale
+    max|x| / 127 is stored in float16, and the values are rounded against that stored scale.
+    x [..., Dh] -> (q [..., Dh] int8, scales [..., Dh/group] float16), x ~= q * scale. The fused decode block
+    (kernels/kv_formats.py) quantizes with the same arithmetic."""
+    xg = np.asarray(x, dtype=np.float32).reshape(*x.shape[:-1], -1, group)         # [..., NG, group]
+    scales = (np.max(np.abs(xg), axis=-1) / np.float32(127.0)).astype(np.float16)  # [..., NG]
+    d = scales.astype(np.float32)
+    inv = np.where(d > 0, np.float32(1.0) / np.maximum(d, np.float32(1e-30)), np.float32(0.0))   # [..., NG]
+    q = np.clip(np.rint(xg * inv[..., None]), -127, 127)                           # [..., NG, group]
+    return q.astype(np.int8).reshape(x.shape), scales
+
+
+class QuantizedKV:
+    """int8 K or V, used like an array of its leading axes: values [..., KVH, Dh] int8 and scales
+    [..., KVH, Dh/group] float16 (x ~= value * its group's scale). Indexing the leading axes gives a view of both;
+    assigning float32 values quantizes them (`quantize_int8`), assigning a QuantizedKV copies bytes and scales."""
+    __slots__ = ("values", "scales")
+
+    def __init__(self, values: np.ndarray, scales: np.ndarray):
+        self.values, self.scales = values, scales
+
+    @classmethod
+    def zeros(cls, shape: tuple, group: int) -> "QuantizedKV":
+        return cls(np.zeros(shape, np.int8), np.zeros(shape[:-1] + (shape[-1] // group,), np.float16))
+
+    @property
+    def group(self) -> int:
+        return self.values.shape[-1] // self.scales.shape[-1]
+
+    @property
+    def shape(self) -> tuple:
+        return self.values.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes + self.scales.nbytes
+
+    def __getitem__(self, index) -> "QuantizedKV":
+        return QuantizedKV(self.values[index], self.scales[index])
+
+    def __setitem__(self, index, x) -> None:
+        if isinstance(x, QuantizedKV):                   # a copy of stored values (copy-on-write): bytes as they are
+            self.values[index], self.scales[index] = x.values, x.scales
+        else:
+            self.values[index], self.scales[index] = quantize_int8(np.asarray(x, np.float32), self.group)
+
+    def reshape(self, *shape) -> "QuantizedKV":
+        """A view with new leading axes (the last, Dh, stays)."""
+        return QuantizedKV(self.values.reshape(shape), self.scales.reshape(shape[:-1] + (self.scales.shape[-1],)))
+
+    def dequantize(self) -> np.ndarray:
+        """-> float32 [..., KVH, Dh]: every value times its group's scale."""
+        scale = np.repeat(self.scales.astype(np.float32), self.group, axis=-1)    # [..., KVH, Dh]
+        return self.values.astype(np.float32) * scale
+
+
+def kv_storage(shape: tuple, kv_dtype: str):
+    """Zeroed storage for K or V of `shape` [..., KVH, Dh]: a float32 / float16 array, or a QuantizedKV."""
+    kv_dtype = check_kv_dtype(kv_dtype)
+    if kv_dtype == "int8":
+        return QuantizedKV.zeros(shape, int8_group(shape[-1]))
+    return np.zeros(shape, dtype=kv_dtype)
+
+
+def as_float32(kv) -> np.ndarray:
+    """What attention computes with: stored K or V (any kv_dtype) as float32 values. float32 arrays pass as is."""
+    if isinstance(kv, QuantizedKV):
+        return kv.dequantize()
+    return kv if kv.dtype == np.float32 else kv.astype(np.float32)
+
+
+def kv_dtype_of(kv) -> str:
+    """The kv_dtype name of stored K or V."""
+    return "int8" if isinstance(kv, QuantizedKV) else kv.dtype.name
+
+
 class CacheFullError(ValueError):
     """The sequence would grow past the cache's capacity."""
 
 
 class ContiguousKVCache:
-    def __init__(self, config: ModelConfig, max_seq_len: int, dtype=np.float32):
+    def __init__(self, config: ModelConfig, max_seq_len: int, kv_dtype: str = "float32"):
         if max_seq_len <= 0:
             raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
+        self.kv_dtype = check_kv_dtype(kv_dtype)
         shape = (config.n_layers, max_seq_len, config.n_kv_heads, config.head_dim)
-        self.k = np.zeros(shape, dtype=dtype)   # [L, S_max, KVH, Dh]
-        self.v = np.zeros(shape, dtype=dtype)   # [L, S_max, KVH, Dh]
+        self.k = kv_storage(shape, self.kv_dtype)   # [L, S_max, KVH, Dh] (a QuantizedKV for int8)
+        self.v = kv_storage(shape, self.kv_dtype)   # [L, S_max, KVH, Dh]
+        self.config = config
         self.max_seq_len = max_seq_len
         self.length = 0                          # positions 0 .. length-1 hold valid K/V
 
@@ -75,12 +190,17 @@ class ContiguousKVCache:
     def update(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Store k, v ([T, KVH, Dh]) at positions start .. start+T-1 of `layer`; return views of 0 .. start+T-1.
 
-        The returned arrays are views into the preallocated storage ([start+T, KVH, Dh] each): no copy.
+        The returned arrays are views into the preallocated storage ([start+T, KVH, Dh] each): no copy, in the
+        stored format (float16 arrays, or QuantizedKV for int8): attention reads it as it is.
         """
         end = start + k.shape[0]
         self.k[layer, start:end] = k
         self.v[layer, start:end] = v
         return self.k[layer, :end], self.v[layer, :end]
+
+    def stored(self, layer: int, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """The K and V attention reads for positions start .. end-1 of `layer`, as float32 [end-start, KVH, Dh]."""
+        return as_float32(self.k[layer, start:end]), as_float32(self.v[layer, start:end])
 
     def truncate(self, length: int) -> None:
         """Forget every position from `length` on (their slots are simply overwritten later)."""
@@ -90,8 +210,7 @@ class ContiguousKVCache:
 
     @property
     def bytes_per_token(self) -> int:
-        L, _, KVH, Dh = self.k.shape
-        return 2 * L * KVH * Dh * self.k.itemsize
+        return self.config.kv_bytes_per_token(self.kv_dtype)
 
     @property
     def nbytes(self) -> int:
@@ -103,5 +222,6 @@ class ContiguousKVCache:
         return self.length * self.bytes_per_token
 
     def __repr__(self) -> str:
-        return (f"ContiguousKVCache(length={self.length}/{self.max_seq_len}, {self.bytes_per_token:,} B/token, "
+        return (f"ContiguousKVCache(length={self.length}/{self.max_seq_len}, {self.kv_dtype}, "
+                f"{self.bytes_per_token:,} B/token, "
                 f"reserved {self.nbytes / 2**20:.1f} MiB)")

@@ -106,12 +106,13 @@ class Transformer:
         self._backend = name
         self._warm_up()
 
-    def _warm_up(self) -> None:
-        """Compile (or load from numba's on-disk cache) the kernels this model's formats and activations setting
-        need, so that no step pays for it."""
+    def _warm_up(self, kv_dtype: str = "float32") -> None:
+        """Compile (or load from numba's on-disk cache) the kernels this model's formats, activations setting and a
+        KV cache of kv_dtype need, so that no step pays for it (a no-op for what is warm already)."""
         if self._backend == "numba":
             blocks = {type(w) for layer in self.layers for w in (layer.wqkv, layer.wo, layer.w_in, layer.w_out)}
-            self.jit_s += self.ops.warmup(blocks, {type(self.lm_head)}, self._int8_inputs, self._has_fusable_blocks)
+            self.jit_s += self.ops.warmup(blocks, {type(self.lm_head)}, self._int8_inputs, self._has_fusable_blocks,
+                                          kv_dtype)
 
     @property
     def activations(self) -> str:
@@ -155,12 +156,15 @@ class Transformer:
         """One new token at position cache.length, attending to everything cached. -> [V] logits"""
         return self.forward([token_id], cache=cache, trace=trace)[0]
 
-    def new_cache(self, max_seq_len: int | None = None) -> ContiguousKVCache:
-        """A contiguous KV cache for up to `max_seq_len` positions (default: the model's context length)."""
+    def new_cache(self, max_seq_len: int | None = None, kv_dtype: str = "float32") -> ContiguousKVCache:
+        """A contiguous KV cache for up to `max_seq_len` positions (default: the model's context length), storing
+        K and V as kv_dtype: "float32", "float16" or "int8" (kv_cache.py)."""
         n = self.config.context_length if max_seq_len is None else max_seq_len
         if n > self.config.context_length:
             raise ValueError(f"max_seq_len {n} exceeds the model's context length {self.config.context_length}")
-        return ContiguousKVCache(self.config, n)
+        cache = ContiguousKVCache(self.config, n, kv_dtype)
+        self._warm_up(cache.kv_dtype)       # the kernels of this cache format, compiled now rather than mid-request
+        return cache
 
     def decode_batch(self, token_ids, caches: list) -> np.ndarray:
         """One new token for each of B sequences, each at its own position in its own cache. -> [B, V]
@@ -206,7 +210,8 @@ class Transformer:
         if row <= o.FUSED_ROWS and trace is None and self._fusable(segments):
             self._fused_decode_blocks(o, x, segments[0])            # x [T, D], updated in place
         else:
-            groups = attention_groups(segments)                     # who attends with whom: the same in every layer
+            # who attends with whom, the same in every layer (a traced pass: its one sequence, read as a Segment)
+            groups = attention_groups(segments) if trace is None else segments
             for i, layer in enumerate(self.layers):
                 x = self._block(o, x, layer, i, rope, groups, trace)   # [N, D]
         for s in segments:
@@ -251,6 +256,9 @@ class Transformer:
             h = o.gelu_tanh(o.linear(h, layer.w_in, layer.b_in, int8_inputs=a8))   # [T, F]
         x = x + o.linear(h, layer.w_out, layer.b_out, int8_inputs=a8)             # [T, D]
         if trace is not None and trace.records_layer(i):
+            cache, start = groups[0].cache, groups[0].start             # a traced pass has one sequence
+            if cache is not None:                                   # what attention read: the stored, rounded K/V
+                k, v = cache.stored(i, start, start + T)
             trace.record_layer(i, q, k, v, x_in, x_mid, x)
         return x
 

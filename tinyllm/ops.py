@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 
+from .kv_cache import as_float32
 from .quant import round_activations
 
 
@@ -93,7 +94,9 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
     q: [T, H, Dh] for positions start .. start+T-1; k, v: [S, KVH, Dh] for positions 0 .. S-1 (S = start + T).
     GQA: query head h reads KV head h // G. Reshaping q to [KVH, G, T, Dh] lets one matmul per KV head serve
     its G query heads; K and V are never copied or repeated. -> [T, H*Dh]
+    k and v may come in a cache's stored format (float16, or kv_cache.QuantizedKV for int8): dequantized first.
     """
+    k, v = as_float32(k), as_float32(v)                            # [S, KVH, Dh] float32 each
     T, H, Dh = q.shape
     S, KVH, _ = k.shape
     G = H // KVH
@@ -113,7 +116,7 @@ def paged_attention(q: np.ndarray, k_blocks: np.ndarray, v_blocks: np.ndarray, b
                     context_lens: np.ndarray) -> np.ndarray:
     """Attention of B one-token queries, each against its own sequence in a paged KV pool (paged.py).
 
-    q [B, H, Dh]; k_blocks, v_blocks [NB, BS, KVH, Dh]: one layer of the pool; block_tables [B, max blocks]: the
+    q [B, H, Dh]; k_blocks, v_blocks [NB, BS, KVH, Dh]: one layer of the pool (any kv_dtype); block_tables [B, max blocks]: the
     physical block of each sequence's logical blocks; context_lens [B]: positions to attend, the new one included.
     Each sequence's positions are gathered through its table (position p lives at offset p % BS of block
     table[p // BS]), then it is plain attention of the last position. -> [B, H*Dh]

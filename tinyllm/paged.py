@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import ModelConfig
-from .kv_cache import Segment
+from .kv_cache import Segment, as_float32, check_kv_dtype, kv_storage
 
 
 class OutOfBlocks(RuntimeError):
@@ -255,12 +255,16 @@ class PagedKVCache:
 
     Size the pool by a block count or a memory budget (`memory="512MiB"`). Position p of a sequence lives in
     slot table[p // BS] * BS + p % BS of the flattened [NB * BS, KVH, Dh] view (the *slot mapping*).
+    kv_dtype: how K and V are stored ("float32", "float16", "int8": kv_cache.py); a budget holds 2x the blocks in
+    float16 and about 3.8x in int8. With int8, k and v are kv_cache.QuantizedKV (values and their scales), and
+    copy-on-write copies both.
     """
 
     def __init__(self, config: ModelConfig, block_size: int = 16, num_blocks: int | None = None,
-                 memory: str | int | None = None, prefix_caching: bool = True, dtype=np.float32):
+                 memory: str | int | None = None, prefix_caching: bool = True, kv_dtype: str = "float32"):
         L, KVH, Dh = config.n_layers, config.n_kv_heads, config.head_dim
-        self.block_bytes = 2 * L * block_size * KVH * Dh * np.dtype(dtype).itemsize   # K and V, all layers
+        self.kv_dtype = check_kv_dtype(kv_dtype)
+        self.block_bytes = block_size * config.kv_bytes_per_token(self.kv_dtype)   # K and V, all layers
         if (num_blocks is None) == (memory is None):
             raise ValueError("size the KV pool with exactly one of num_blocks or memory")
         if num_blocks is None:
@@ -268,15 +272,15 @@ class PagedKVCache:
             if num_blocks < 1:
                 raise ValueError(f"KV memory {memory} is less than one block ({self.block_bytes:,} bytes)")
         shape = (L, num_blocks, block_size, KVH, Dh)
-        self.k = np.zeros(shape, dtype=dtype)              # [L, NB, BS, KVH, Dh]
-        self.v = np.zeros(shape, dtype=dtype)              # [L, NB, BS, KVH, Dh]
+        self.k = kv_storage(shape, self.kv_dtype)           # [L, NB, BS, KVH, Dh]
+        self.v = kv_storage(shape, self.kv_dtype)           # [L, NB, BS, KVH, Dh]
         self.k_slots = self.k.reshape(L, num_blocks * block_size, KVH, Dh)   # [L, NB*BS, KVH, Dh] (a view)
         self.v_slots = self.v.reshape(L, num_blocks * block_size, KVH, Dh)
         self.allocator = BlockAllocator(num_blocks, block_size, prefix_caching)
         self.block_size, self.num_blocks, self.max_positions = block_size, num_blocks, config.context_length
         self._next_id = 0
         from .kernels import warmup_paged
-        warmup_paged()                         # compile the batched kernel now, not in the middle of a request
+        warmup_paged(self.kv_dtype)            # compile the batched kernel now, not in the middle of a request
 
     @property
     def bytes_per_token(self) -> int:
@@ -309,7 +313,7 @@ class PagedKVCache:
                            new_slots=np.array([s.cache.slots[s.start] for s in segments]))
 
     def copy_blocks(self, copies) -> None:
-        for src, dst in copies:                            # copy-on-write, every layer at once
+        for src, dst in copies:                            # copy-on-write, every layer at once (int8: with scales)
             self.k[:, dst] = self.k[:, src]
             self.v[:, dst] = self.v[:, src]
 
@@ -333,6 +337,10 @@ class SequenceCache:
         self.pool, self.seq_id = pool, seq_id
         self.length = 0                                    # positions 0 .. length-1 hold valid K/V
         self.slots = np.zeros(0, dtype=np.int64)           # [S] flat slot of each position (the slot mapping)
+
+    @property
+    def kv_dtype(self) -> str:
+        return self.pool.kv_dtype
 
     @property
     def block_table(self) -> list[int]:
@@ -360,6 +368,11 @@ class SequenceCache:
         end = start + k.shape[0]
         self.write(layer, start, k, v)
         return self.pool.k_slots[layer, self.slots[:end]], self.pool.v_slots[layer, self.slots[:end]]
+
+    def stored(self, layer: int, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """The K and V attention reads for positions start .. end-1 of `layer`, as float32 [end-start, KVH, Dh]."""
+        slots = self.slots[start:end]
+        return as_float32(self.pool.k_slots[layer, slots]), as_float32(self.pool.v_slots[layer, slots])
 
     def write(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
         slots = self.slots[start:start + k.shape[0]]                               # [T]

@@ -191,7 +191,8 @@ class ModelDraft:
         if len(seq) - 1 > ctx:           # seq is the prompt and the first generated token
             raise ValueError(f"the draft model's context is {ctx} positions but the prompt has {len(seq) - 1} tokens: "
                              f"use a draft with a longer context, or a shorter prompt")
-        self.cache = self.model.new_cache(min(max_seq_len, ctx))
+        # the draft's own cache stores K/V as the target's does (a paged sequence's dtype is its pool's)
+        self.cache = self.model.new_cache(min(max_seq_len, ctx), target_cache.kv_dtype)
         if len(seq) > 1:
             self.model.prefill(seq[:-1], self.cache)
 
@@ -409,15 +410,16 @@ class SpeculativeResult:
 
 def speculative_generate(target, prompt_ids: Sequence[int], draft="ngram", num_draft: int = 4,
                          max_new_tokens: int = 32, params: SamplingParams = SamplingParams(),
-                         rng: np.random.Generator | None = None) -> SpeculativeResult:
+                         rng: np.random.Generator | None = None, kv_dtype: str = "float32") -> SpeculativeResult:
     """Speculative decoding as one function: prefill, then rounds of draft + verify, exactly max_new_tokens
-    tokens (end-of-sequence does not stop it; `tinyllm.generate(..., speculative=...)` handles stopping)."""
+    tokens (end-of-sequence does not stop it; `tinyllm.generate(..., speculative=...)` handles stopping).
+    kv_dtype: how the caches store K and V (kv_cache.py)."""
     if not isinstance(num_draft, int) or num_draft < 1:
         raise ValueError(f"num_draft must be an integer >= 1, got {num_draft!r}")
     draft = make_draft(target, draft)
     rng = params.make_rng() if rng is None else rng
     ids = [int(i) for i in prompt_ids]
-    cache = target.new_cache(len(ids) + max_new_tokens)
+    cache = target.new_cache(len(ids) + max_new_tokens, kv_dtype)
     stats = SpeculativeStats(source=draft.name, num_draft=num_draft)
     t0 = time.perf_counter()
     logits = target.prefill(ids, cache)                                   # [V]

@@ -12,7 +12,8 @@ A Trace is an explicit object handed to the forward pass (`model.logits(ids, tra
 cache, trace=tr)`, `generate(..., trace=True)`); without one nothing is recorded and nothing is paid. A traced
 pass runs op by op (the fused decode block records nothing), on either backend and either cache; its tokens are
 the untraced run's. The attention probabilities are recomputed from the recorded q and k, which is what
-attention computes (the kernels never hold the [S, S] matrix). Memory is bounded: pick layers and heads, and a
+attention computes (the kernels never hold the [S, S] matrix). With a float16 or int8 cache the recorded k and v
+are the stored, rounded values attention read, not the exact ones the layer computed. Memory is bounded: pick layers and heads, and a
 run past `max_positions` positions stops with a clear error.
 """
 from __future__ import annotations
@@ -50,8 +51,8 @@ class SampledToken:
 @dataclass
 class _LayerRecord:
     q: list = field(default_factory=list)          # per pass: [T, H, Dh] after RoPE
-    k: list = field(default_factory=list)          # per pass: [T, KVH, Dh] after RoPE (what the cache stores)
-    v: list = field(default_factory=list)          # per pass: [T, KVH, Dh]
+    k: list = field(default_factory=list)          # per pass: [T, KVH, Dh] after RoPE, as the cache stores it
+    v: list = field(default_factory=list)          # per pass: [T, KVH, Dh] as the cache stores it
     norms: list = field(default_factory=list)      # per pass: [T, 3] |x| entering, after attention, after MLP
     out: list = field(default_factory=list)        # per pass: [T, D] the block's output (for the logit lens)
 

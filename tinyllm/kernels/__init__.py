@@ -7,8 +7,9 @@ ops.py and a parity test (tests/test_kernels.py). The files, in the order a deco
     linear_kernels.py     matrix-vector and small matrix-matrix products for every weight format
     intdot.py             integer dot products (AVX-512 VNNI, in LLVM IR) with their written contract and plain twins
     pointwise.py          RMSNorm, RoPE, SwiGLU
-    attention_kernels.py  decode (flash-decoding), causal and paged (PagedAttention) attention
+    attention_kernels.py  decode (flash-decoding) and paged (PagedAttention) attention
     prefill_attention.py  prompt chunks against a long cache: query blocks x key blocks, online softmax
+    kv_formats.py         the KV cache's stored formats (float32, float16, int8) as the kernels read and write them
     block.py              a whole Llama block of a decode step as one compiled call
     blas.py               the ops of a pass too long for these kernels: BLAS sgemm and numpy attention
     numerics.py           compile options, a vectorisable exp, softmax
@@ -31,8 +32,8 @@ from .warmup import warmup, warmup_paged
 layernorm, gelu_tanh, softmax, silu, rope_tables = ops.layernorm, ops.gelu_tanh, ops.softmax, ops.silu, ops.rope_tables
 
 __all__ = ["linear", "rmsnorm", "layernorm", "apply_rope", "swiglu", "gelu_tanh", "softmax", "silu", "rope_tables",
-           "attention", "paged_attention", "decode_block", "for_rows", "FUSED_ROWS", "PREFILL_CHUNK", "HAVE_VNNI", "warmup",
-           "warmup_paged"]
+           "attention", "paged_attention", "decode_block", "for_rows", "FUSED_ROWS", "PREFILL_CHUNK", "HAVE_VNNI",
+           "warmup", "warmup_paged"]
 
 
 def for_rows(n_rows: int):

@@ -3,22 +3,27 @@ cache (prompt chunks: prefill_attention.py). Each is the compiled twin of ops.at
 
 Grouped-query attention throughout: query head h reads KV head h // G, so a K/V row read once serves the G query
 heads of its group (and every query token of the call) from L1; K and V are never copied or repeated.
+
+K and V arrive in the cache's stored format as (values, scales) pairs (kv_formats.py: float32, float16 bits, or
+int8 with a scale per 32 values): `dot_kv` and `add_kv` read a stored row, widening a float16 value to float32 as
+it is loaded and applying an int8 group's scale once per group, so no dequantized copy of the cache is made.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
+from .kv_formats import add_kv, dot_kv
 from .numerics import PARALLEL, SERIAL, exp32, softmax_in_place
 
 ATTN_CHUNK = 32   # cache positions per task in decode attention
 
 
 @njit(**PARALLEL)
-def decode_attention(q, k, v, start, out):
+def decode_attention(q, k, ks, v, vs, start, out):
     """q [T, H, Dh]: T new tokens (1 in a decode step, k+1 in a speculative verification) at positions start ..
-    start+T-1; k, v [S, KVH, Dh] (the cache incl. these tokens, S = start + T) -> out [T, H, Dh]. Causal: token t
-    sees positions 0 .. start+t.
+    start+T-1; k, v [S, KVH, Dh] (the cache incl. these tokens, S = start + T) with their scales ks, vs (None for
+    float formats) -> out [T, H, Dh]. Causal: token t sees positions 0 .. start+t.
 
     Split over positions ("flash-decoding", Dao et al. 2023), so both cores work even with 3 KV heads: each task
     takes ATTN_CHUNK positions and computes, per query token and head, the scores, their running max m, the sum l
@@ -41,11 +46,7 @@ def decode_attention(q, k, v, start, out):
         for s in range(s0, s1):                                  # q . k, one pass over k[s0:s1]
             for t in range(max(0, s - start), T):                # the tokens that see position s
                 for h in range(H):
-                    kvh = h // G
-                    a = np.float32(0.0)
-                    for j in range(Dh):
-                        a += q[t, h, j] * k[s, kvh, j]
-                    scores[t, h, s - s0] = a * scale
+                    scores[t, h, s - s0] = dot_kv(q, t, h, k, ks, s, h // G) * scale
         for t in range(T):                                       # this chunk's softmax statistics
             n = min(s1, start + t + 1) - s0                      # how many of its positions token t sees
             for h in range(H):
@@ -64,10 +65,7 @@ def decode_attention(q, k, v, start, out):
         for s in range(s0, s1):                                  # weighted sum of v, one pass over v[s0:s1]
             for t in range(max(0, s - start), T):
                 for h in range(H):
-                    kvh = h // G
-                    p = scores[t, h, s - s0]
-                    for j in range(Dh):
-                        acc[t, h, j] += p * v[s, kvh, j]
+                    add_kv(acc, t, h, scores[t, h, s - s0], v, vs, s, h // G)
         for t in range(T):                                       # (element by element: a slice assignment
             for h in range(H):                                   # compiles a shape check with a formatted
                 for j in range(Dh):                              # error message, seconds of the first run)
@@ -91,40 +89,37 @@ def decode_attention(q, k, v, start, out):
 
 
 @njit(**PARALLEL)
-def paged_decode_attention(q, k_blocks, v_blocks, block_tables, context_lens, out):
-    """PagedAttention (Kwon et al. 2023) for a batch of one-token queries: q [B, H, Dh]; k_blocks, v_blocks
-    [NB, BS, KVH, Dh] (one layer of the pool); block_tables [B, max blocks] int32; context_lens [B] int32 ->
-    out [B, H, Dh]. One task per sequence; no history is gathered into a copy."""
+def paged_decode_attention(q, k_slots, ks, v_slots, vs, block_size, block_tables, context_lens, out):
+    """PagedAttention (Kwon et al. 2023) for a batch of one-token queries: q [B, H, Dh]; k_slots, v_slots
+    [NB*BS, KVH, Dh] (one layer of the pool, its blocks end to end) with their scales ks, vs (None for float
+    formats); block_tables [B, max blocks] int32; context_lens [B] int32 -> out [B, H, Dh]. One task per
+    sequence; no history is gathered into a copy."""
     for b in prange(q.shape[0]):
-        _paged_attend_one(q[b], k_blocks, v_blocks, block_tables[b], context_lens[b], out[b])
+        _paged_attend_one(q[b:b + 1], k_slots, ks, v_slots, vs, block_size, block_tables[b], context_lens[b],
+                          out[b:b + 1])
 
 
 @njit(**SERIAL)
-def _paged_attend_one(q, k_blocks, v_blocks, table, S, out):
-    """One sequence: q [H, Dh] against its S cached positions, found through its block table -> out [H, Dh].
-    It walks the blocks in order and reads each block's K (then V) rows for all KV heads at once: a block is one
-    contiguous [BS, KVH, Dh] run of memory."""
-    H, Dh = q.shape
-    BS, KVH = k_blocks.shape[1], k_blocks.shape[2]
+def _paged_attend_one(q, k, ks, v, vs, BS, table, S, out):
+    """One sequence: q [1, H, Dh] against its S cached positions, found through its block table -> out [1, H, Dh].
+    Position s is slot table[s // BS] * BS + s % BS. It walks the blocks in order and reads each slot's K (then
+    V) rows for all KV heads at once: a block is one contiguous [BS, KVH, Dh] run of memory."""
+    _, H, Dh = q.shape
+    KVH = k.shape[1]
     G = H // KVH
     scale = np.float32(1.0 / np.sqrt(Dh))
     scores = np.empty((H, S), dtype=np.float32)                  # [H, S]
     for s in range(S):                                           # q . k, position s found via the block table
-        blk, r = table[s // BS], s % BS
+        slot = table[s // BS] * BS + s % BS
         for h in range(H):
-            acc = np.float32(0.0)
-            for j in range(Dh):
-                acc += q[h, j] * k_blocks[blk, r, h // G, j]
-            scores[h, s] = acc * scale
+            scores[h, s] = dot_kv(q, 0, h, k, ks, slot, h // G) * scale
     for h in range(H):                                           # softmax over the S positions
         softmax_in_place(scores[h])
-    acc_out = np.zeros((H, Dh), dtype=np.float32)                # [H, Dh] weighted sum of v, stays in L1
+    acc_out = np.zeros((1, H, Dh), dtype=np.float32)             # [1, H, Dh] weighted sum of v, stays in L1
     for s in range(S):
-        blk, r = table[s // BS], s % BS
+        slot = table[s // BS] * BS + s % BS
         for h in range(H):
-            p = scores[h, s]
-            for j in range(Dh):
-                acc_out[h, j] += p * v_blocks[blk, r, h // G, j]
+            add_kv(acc_out, 0, h, scores[h, s], v, vs, slot, h // G)
     for h in range(H):
         for j in range(Dh):
-            out[h, j] = acc_out[h, j]
+            out[0, h, j] = acc_out[0, h, j]

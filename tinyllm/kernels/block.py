@@ -13,6 +13,7 @@ from numba import njit
 from . import intdot
 from .attention_kernels import decode_attention
 from .dispatch import linear_into
+from .kv_formats import first_rows, kernel_operands, store_row
 from .linear_kernels import weight_arrays
 from .numerics import SERIAL
 from .pointwise import rmsnorm_into, swiglu_into, swiglu_rows_into
@@ -22,17 +23,20 @@ def decode_block(x, layer, k_cache, v_cache, start: int, cos, sin, n_heads: int,
                  int8_inputs: bool) -> None:
     """One Llama block (model.LayerWeights `layer`) for the T <= FUSED_ROWS new tokens x [T, D] at positions
     start .. start+T-1, updating x in place and writing their K and V into this layer's cache k_cache, v_cache
-    [S_max, KVH, Dh]. cos, sin [T, Dh/2]: the rotations of their positions. int8_inputs: the activations setting."""
+    [S_max, KVH, Dh] (in its stored format: kv_cache.py). cos, sin [T, Dh/2]: the rotations of their positions.
+    int8_inputs: the activations setting."""
+    (k_cache, k_scales), (v_cache, v_scales) = kernel_operands(k_cache), kernel_operands(v_cache)
     BLOCKS[int8_inputs](x, layer.attn_norm, layer.ffn_norm, weight_arrays(layer.wqkv), weight_arrays(layer.wo),
-                        weight_arrays(layer.w_in), weight_arrays(layer.w_out), intdot.USE_VNNI, k_cache, v_cache,
-                        start, cos, sin, n_heads, eps)
+                        weight_arrays(layer.w_in), weight_arrays(layer.w_out), intdot.USE_VNNI,
+                        k_cache, k_scales, v_cache, v_scales, start, cos, sin, n_heads, eps)
 
 
 def _compile_block(int8_inputs: bool):
     """The block for one activations setting. int8_inputs is a constant of the compiled code, so that the linears
     compile only that setting's kernels (a first run then compiles only what it uses)."""
     @njit(**SERIAL)
-    def block(x, attn_norm, ffn_norm, wqkv, wo, w_in, w_out, vnni, k_cache, v_cache, pos, cos, sin, n_heads, eps):
+    def block(x, attn_norm, ffn_norm, wqkv, wo, w_in, w_out, vnni, k_cache, k_scales, v_cache, v_scales, pos, cos,
+                  sin, n_heads, eps):
         T, D = x.shape
         KVH, Dh = k_cache.shape[1], k_cache.shape[2]
         H, half = n_heads, Dh // 2
@@ -44,6 +48,7 @@ def _compile_block(int8_inputs: bool):
         qkv = np.empty((T, (H + 2 * KVH) * Dh), np.float32)         # [T, (H + 2*KVH) * Dh]
         linear_into(wqkv, h, qkv, int8_inputs, vnni)
         q = np.empty((T, H, Dh), np.float32)                        # [T, H, Dh]
+        k_row = np.empty(Dh, np.float32)                            # [Dh] one rotated k head, before it is stored
         for t in range(T):
             for head in range(H + KVH):                             # rotate q and k (half-split pairs, ops.apply_rope)
                 for i in range(half):
@@ -51,13 +56,15 @@ def _compile_block(int8_inputs: bool):
                     ra, rb = a * cos[t, i] - b * sin[t, i], b * cos[t, i] + a * sin[t, i]
                     if head < H:
                         q[t, head, i], q[t, head, half + i] = ra, rb
-                    else:                                           # k goes straight into the cache at pos + t
-                        k_cache[pos + t, head - H, i], k_cache[pos + t, head - H, half + i] = ra, rb
+                    else:
+                        k_row[i], k_row[half + i] = ra, rb
+                if head >= H:                                   # k and v go into the cache at pos + t, stored format
+                    store_row(k_cache, k_scales, pos + t, head - H, k_row)
             for kvh in range(KVH):
-                for j in range(Dh):
-                    v_cache[pos + t, kvh, j] = qkv[t, (H + KVH + kvh) * Dh + j]
+                store_row(v_cache, v_scales, pos + t, kvh, qkv[t, (H + KVH + kvh) * Dh:(H + KVH + kvh + 1) * Dh])
         att = np.empty((T, H, Dh), np.float32)                      # [T, H, Dh]
-        decode_attention(q, k_cache[:pos + T], v_cache[:pos + T], pos, att)
+        S = pos + T
+        decode_attention(q, k_cache[:S], first_rows(k_scales, S), v_cache[:S], first_rows(v_scales, S), pos, att)
         linear_into(wo, att.reshape(T, H * Dh), delta, int8_inputs, vnni)
         for t in range(T):
             for i in range(D):

@@ -20,6 +20,7 @@ from numba.extending import overload
 from .. import ops
 from . import blas, intdot
 from .attention_kernels import decode_attention, paged_decode_attention
+from .kv_formats import kernel_operands
 from .linear_kernels import (TILE_MIN_ROWS, linear_int8_a8, linear_q4, linear_q4_a8, linear_rows, linear_tiled,
                              round_rows, weight_arrays)
 from .pointwise import swiglu_into, swiglu_rows_into
@@ -88,22 +89,26 @@ def linear(x: np.ndarray, w, b: np.ndarray | None = None, int8_inputs: bool = Fa
 
 # --- attention --------------------------------------------------------------------------------------------------
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
-    """Twin of ops.attention. q [T, H, Dh], k, v [S, KVH, Dh] -> [T, H*Dh]."""
+    """Twin of ops.attention. q [T, H, Dh], k, v [S, KVH, Dh] in any stored format (kv_cache.py) -> [T, H*Dh]."""
     T, H, Dh = q.shape
     if T > SMALL_M:
         return ops.attention(q, k, v, start)
     out = np.empty((T, H, Dh), dtype=np.float32)                              # [T, H, Dh]
+    (k, ks), (v, vs) = kernel_operands(k), kernel_operands(v)                # values [S, KVH, Dh], scales or None
     # contiguous operands, one compiled version per kernel (without a cache v is a strided view of the qkv rows)
     q, k, v = np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v)
-    (decode_attention if T <= FEW_TOKENS else tiled_causal_attention)(q, k, v, start, out)
+    (decode_attention if T <= FEW_TOKENS else tiled_causal_attention)(q, k, ks, v, vs, start, out)
     return out.reshape(T, H * Dh)
 
 
 def paged_attention(q, k_blocks, v_blocks, block_tables, context_lens) -> np.ndarray:
-    """Twin of ops.paged_attention: q [B, H, Dh] against each sequence's blocks, read in place. -> [B, H*Dh]"""
+    """Twin of ops.paged_attention: q [B, H, Dh] against each sequence's blocks [NB, BS, KVH, Dh] (any stored
+    format), read in place. -> [B, H*Dh]"""
     B, H, Dh = q.shape
+    NB, BS, KVH, _ = k_blocks.shape
     out = np.empty((B, H, Dh), dtype=np.float32)                              # [B, H, Dh]
-    paged_decode_attention(np.ascontiguousarray(q, dtype=np.float32), k_blocks, v_blocks,
+    (k, ks), (v, vs) = (kernel_operands(kv.reshape(NB * BS, KVH, Dh)) for kv in (k_blocks, v_blocks))
+    paged_decode_attention(np.ascontiguousarray(q, dtype=np.float32), k, ks, v, vs, BS,
                            np.ascontiguousarray(block_tables, dtype=np.int32),
                            np.ascontiguousarray(context_lens, dtype=np.int32), out)
     return out.reshape(B, H * Dh)

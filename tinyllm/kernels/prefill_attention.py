@@ -8,6 +8,7 @@ QUERY_BLOCK x G query rows (the G heads of a group share K and V) walk the keys 
 the last one the block's final token sees. Per key block, two small matrix products in 4 x 4 register tiles (as
 linear_kernels.linear_tiled): scores = rows . K_block^T, then P . V_block; between them the causal mask and the
 online softmax: each row's running max m and sum l, its earlier sums rescaled by exp(m_old - m_new).
+K and V are read in the cache's stored format (kv_formats.py) as each key block is loaded, widened to float32.
 The twin is ops.attention (the plain softmax over whole rows); tests/test_kernels.py checks they agree.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from .kv_formats import kv_value
 from .numerics import PARALLEL, SERIAL, exp32
 
 QUERY_BLOCK = 16   # query tokens per task: with G heads per KV head, 48 rows share each K/V row read
@@ -44,19 +46,20 @@ def _products(a, b, out):
 
 
 @njit(**PARALLEL)
-def tiled_causal_attention(q, k, v, start, out):
-    """q [T, H, Dh] at positions start .. start+T-1; k, v [S, KVH, Dh] (S = start + T) -> out [T, H, Dh].
-    Token t sees positions 0 .. start+t."""
+def tiled_causal_attention(q, k, ks, v, vs, start, out):
+    """q [T, H, Dh] at positions start .. start+T-1; k, v [S, KVH, Dh] (S = start + T) in their stored format with
+    their scales ks, vs (None for float formats: kv_formats.py) -> out [T, H, Dh]. Token t sees positions
+    0 .. start+t."""
     T, KVH = q.shape[0], k.shape[1]
     n_blocks = (T + QUERY_BLOCK - 1) // QUERY_BLOCK
     for task in prange(n_blocks * KVH):
         # the last query blocks see the most keys: handed out first, so the threads finish together
         qb = n_blocks - 1 - task // KVH
-        _query_block(q, k, v, start, out, qb * QUERY_BLOCK, min(T, (qb + 1) * QUERY_BLOCK), task % KVH)
+        _query_block(q, k, ks, v, vs, start, out, qb * QUERY_BLOCK, min(T, (qb + 1) * QUERY_BLOCK), task % KVH)
 
 
 @njit(**SERIAL)
-def _query_block(q, k, v, start, out, t0, t1, kvh):
+def _query_block(q, k, ks, v, vs, start, out, t0, t1, kvh):
     """Tokens t0 .. t1-1 of q, the heads of KV head kvh, against every key they see -> their rows of out. (A
     function of its own, so that the parallel loop above stays small: Numba compiles a large one slowly.)"""
     H, Dh = q.shape[1], q.shape[2]
@@ -76,10 +79,10 @@ def _query_block(q, k, v, start, out, t0, t1, kvh):
     acc = np.zeros((R4, Dh), dtype=np.float32)                  # running sum of exp(score - m) * v
     for s0 in range(0, start + t1, KEY_BLOCK):                  # keys up to the last one token t1-1 sees
         n_keys = min(start + t1, s0 + KEY_BLOCK) - s0
-        for i in range(KEY_BLOCK):                              # load the block (zeros past its end)
+        for i in range(KEY_BLOCK):                              # load the block as float32 (zeros past its end)
             for j in range(Dh):
-                k_blk[i, j] = k[s0 + i, kvh, j] if i < n_keys else np.float32(0.0)
-                v_t[j, i] = v[s0 + i, kvh, j] if i < n_keys else np.float32(0.0)
+                k_blk[i, j] = kv_value(k, ks, s0 + i, kvh, j) if i < n_keys else np.float32(0.0)
+                v_t[j, i] = kv_value(v, vs, s0 + i, kvh, j) if i < n_keys else np.float32(0.0)
         _products(rows, k_blk, p)                               # [R4, KB] scores
         for r in range(R4):
             n = min(n_keys, start + t0 + r // G + 1 - s0)       # positions of this block row r may see

@@ -2,7 +2,8 @@
 
 Numba compiles a kernel for each new combination of argument types on its first call, and caches the result on
 disk (`cache=True`), so only the first run of a fresh install pays for it. `warmup` makes that first call happen
-at load time (a new array layout mid-request would mean a compile in the middle of a generation).
+at load time (a new array layout mid-request would mean a compile in the middle of a generation), for what the
+model will run and nothing more: its weight formats, its activations setting, its KV cache format.
 """
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from ..kv_cache import kv_storage
 from ..quant import BLOCK, Int8Block, Int8Channel, Q4Block, quantize
 from . import intdot
 from .block import BLOCKS
 from .dispatch import FEW_TOKENS, FUSED_ROWS, attention, linear, paged_attention, swiglu
+from .kv_formats import kernel_operands
 from .linear_kernels import TILE_MIN_ROWS, weight_arrays
 from .pointwise import apply_rope, rmsnorm
 
@@ -31,38 +34,49 @@ def _matrix(fmt: str | None, rows: int):
     return w if fmt is None else quantize(w, fmt)
 
 
-def _warm_decode_block(fmt: str | None, int8_inputs: bool) -> None:
+def _warm_decode_block(fmt: str | None, int8_inputs: bool, kv_dtype: str) -> None:
     H, KVH, Dh = 2, 1, BLOCK // 2                                   # so every matrix is [*, 32]: one block wide
     x, norm, trig = np.ones((1, BLOCK), np.float32), np.ones(BLOCK, np.float32), np.ones((1, Dh // 2), np.float32)
-    kv = np.zeros((4, KVH, Dh), np.float32)                         # [S_max, KVH, Dh]
+    kv = kv_storage((4, KVH, Dh), kv_dtype)                         # [S_max, KVH, Dh]
+    (k, k_scales), (v, v_scales) = kernel_operands(kv), kernel_operands(kv)
     mats = [weight_arrays(_matrix(fmt, rows)) for rows in ((H + 2 * KVH) * Dh, BLOCK, 2 * BLOCK, BLOCK)]
-    BLOCKS[int8_inputs](x, norm, norm, *mats, intdot.USE_VNNI, kv, kv, 0, trig, trig, H, 1e-5)
+    BLOCKS[int8_inputs](x, norm, norm, *mats, intdot.USE_VNNI, k, k_scales, v, v_scales, 0, trig, trig, H, 1e-5)
 
 
-def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False, fused: bool = True) -> float:
+def _warm_attention(kv_dtype: str) -> None:
+    """decode_attention, then tiled_causal_attention, on a cache of kv_dtype."""
+    if ("attention", kv_dtype) in _done:
+        return
+    for T in (2, FEW_TOKENS + 1):
+        kv = kv_storage((T + 1, 1, 4), kv_dtype)                    # [S, KVH, Dh]
+        kv[:] = np.ones((T + 1, 1, 4), np.float32)
+        attention(np.ones((T, 2, 4), np.float32), kv, kv, 1)
+    _done.add(("attention", kv_dtype))
+
+
+def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False, fused: bool = True,
+           kv_dtype: str = "float32") -> float:
     """Compile (or load from Numba's cache) what a model needs, and nothing else, so that a first run compiles only
     its own format: for its blocks' weight classes (`matrix_types`) the one-row and the tiled linears and (if
     `fused`) the one-call block; for its output head's class (`head_types`) the one-row linear (the head sees one
     row per sequence: its tiled kernel waits for batches, warmup_paged); all for its activations setting
-    (int8_inputs); attention and the small ops. -> seconds it took."""
+    (int8_inputs) and a KV cache of kv_dtype; attention and the small ops. -> seconds it took."""
     t0 = time.perf_counter()
     with compile_notice(t0):
         for t in {*matrix_types, *head_types}:
             fmt = FORMATS[t]
             a8 = int8_inputs and fmt is not None                     # int8 activations meet quantized weights only
-            batches = t in matrix_types or "paged" in _done
+            batches = t in matrix_types or any(d[0] == "paged" for d in _done if isinstance(d, tuple))
             for rows in (1, TILE_MIN_ROWS) if batches else (1,):    # the one-row and the tiled kernels
                 if (t, a8, rows) not in _done:
                     linear(np.ones((rows, BLOCK), np.float32), _matrix(fmt, 2), int8_inputs=a8)
                     _done.add((t, a8, rows))
-            if fused and FUSED_ROWS and t in matrix_types and (t, a8, "block") not in _done:
-                _warm_decode_block(fmt, a8)
-                _done.add((t, a8, "block"))
+            if fused and FUSED_ROWS and t in matrix_types and (t, a8, kv_dtype, "block") not in _done:
+                _warm_decode_block(fmt, a8, kv_dtype)
+                _done.add((t, a8, kv_dtype, "block"))
+        _warm_attention(kv_dtype)
         if "ops" not in _done:
             x = np.ones((1, BLOCK), dtype=np.float32)
-            for T in (2, FEW_TOKENS + 1):                           # decode_attention, then tiled_causal_attention
-                kv = np.ones((T + 1, 1, 4), dtype=np.float32)
-                attention(np.ones((T, 2, 4), np.float32), kv, kv, 1)
             rmsnorm(x, x[0], 1e-5)
             for T in (1, 2):        # q and k are views of the qkv rows: contiguous for one row, strided for more
                 qkv = np.ones((T, 16), dtype=np.float32)
@@ -70,6 +84,28 @@ def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False
             swiglu(np.ones((1, 4), np.float32))
             swiglu(np.ones((4, 4), np.float32))                    # the parallel form, for batches
             _done.add("ops")
+    return time.perf_counter() - t0
+
+
+def warmup_paged(kv_dtype: str = "float32") -> float:
+    """Compile (or load) what batches need: the paged-attention kernel for blocks of kv_dtype (and the other
+    attention kernels of that format), and the tiled linears of output heads warmed so far for one row only.
+    PagedKVCache calls it when a pool is made, so only users of a paged pool pay for it. -> seconds it took."""
+    one_row_only = [(d[0], d[1]) for d in _done
+                    if isinstance(d, tuple) and len(d) == 3 and d[2] == 1 and (d[0], d[1], TILE_MIN_ROWS) not in _done]
+    if ("paged", kv_dtype) in _done and not one_row_only:
+        return 0.0
+    t0 = time.perf_counter()
+    with compile_notice(t0):
+        blocks = kv_storage((2, 2, 1, 4), kv_dtype)                 # [NB, BS, KVH, Dh]
+        blocks[:] = np.ones((2, 2, 1, 4), np.float32)
+        paged_attention(np.ones((2, 2, 4), np.float32), blocks, blocks, np.zeros((2, 1), np.int32),
+                        np.ones(2, np.int32))
+        _warm_attention(kv_dtype)
+        for t, a8 in one_row_only:                                  # a head's tiled kernel: a batch's logits
+            linear(np.ones((TILE_MIN_ROWS, BLOCK), np.float32), _matrix(FORMATS[t], 2), int8_inputs=a8)
+            _done.add((t, a8, TILE_MIN_ROWS))
+    _done.add(("paged", kv_dtype))
     return time.perf_counter() - t0
 
 
@@ -92,23 +128,3 @@ def compile_notice(t0: float, after: float = NOTICE_AFTER_S):
         timer.cancel()
         if shown.is_set():
             print(f"tinyllm: kernels compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-
-
-def warmup_paged() -> float:
-    """Compile (or load) what batches need: the paged-attention kernel and the tiled linears of output heads
-    warmed so far for one row only. PagedKVCache calls it when a pool is made, so only users of a paged pool pay
-    for it. -> seconds it took (0 if done already)."""
-    one_row_only = [(t, a8) for t, a8, rows in [d for d in _done if len(d) == 3 and d[2] == 1]
-                    if (t, a8, TILE_MIN_ROWS) not in _done]
-    if "paged" in _done and not one_row_only:
-        return 0.0
-    t0 = time.perf_counter()
-    blocks = np.ones((2, 2, 1, 4), dtype=np.float32)                # [NB, BS, KVH, Dh]
-    with compile_notice(t0):
-        paged_attention(np.ones((2, 2, 4), np.float32), blocks, blocks, np.zeros((2, 1), np.int32),
-                        np.ones(2, np.int32))
-        for t, a8 in one_row_only:                                  # a head's tiled kernel: a batch's logits
-            linear(np.ones((TILE_MIN_ROWS, BLOCK), np.float32), _matrix(FORMATS[t], 2), int8_inputs=a8)
-            _done.add((t, a8, TILE_MIN_ROWS))
-    _done.add("paged")
-    return time.perf_counter() - t0

@@ -97,7 +97,8 @@ class EngineLoop:
     def _warm_up(self) -> None:
         """Compile prefill, batched decode and sampling on a throwaway pool before the first request."""
         pool = self.engine.pool
-        warm = Engine(self.engine.model, num_blocks=8, block_size=pool.block_size, max_num_seqs=2)
+        warm = Engine(self.engine.model, num_blocks=8, block_size=pool.block_size, max_num_seqs=2,
+                      kv_dtype=pool.kv_dtype)
         warm.add_request("a", [1, 2, 3], max_tokens=3, stop_token_ids=())
         warm.add_request("b", [1, 2], max_tokens=3, stop_token_ids=())
         list(warm.run())
