@@ -32,44 +32,14 @@ def decode_attention(q, k, ks, v, vs, start, out):
     contiguous run of memory, which the hardware prefetcher streams well.
     """
     T, H, Dh = q.shape
-    S, KVH, _ = k.shape
-    G = H // KVH
+    S = k.shape[0]
     n_chunks = (S + ATTN_CHUNK - 1) // ATTN_CHUNK
-    scale = np.float32(1.0 / np.sqrt(Dh))
     chunk_max = np.empty((n_chunks, T, H), dtype=np.float32)    # m per chunk
     chunk_sum = np.empty((n_chunks, T, H), dtype=np.float32)    # l per chunk
     chunk_out = np.empty((n_chunks, T, H, Dh), dtype=np.float32)
     for c in prange(n_chunks):
-        s0, s1 = c * ATTN_CHUNK, min(S, (c + 1) * ATTN_CHUNK)
-        scores = np.empty((T, H, ATTN_CHUNK), dtype=np.float32)
-        acc = np.zeros((T, H, Dh), dtype=np.float32)            # this chunk's weighted sum of v, per token and head
-        for s in range(s0, s1):                                  # q . k, one pass over k[s0:s1]
-            for t in range(max(0, s - start), T):                # the tokens that see position s
-                for h in range(H):
-                    scores[t, h, s - s0] = dot_kv(q, t, h, k, ks, s, h // G) * scale
-        for t in range(T):                                       # this chunk's softmax statistics
-            n = min(s1, start + t + 1) - s0                      # how many of its positions token t sees
-            for h in range(H):
-                if n <= 0:                                       # none: a chunk that adds nothing in the merge
-                    chunk_max[c, t, h], chunk_sum[c, t, h] = np.float32(-1e30), np.float32(0.0)
-                    continue
-                m = scores[t, h, 0]
-                for i in range(1, n):
-                    m = max(m, scores[t, h, i])
-                total = np.float32(0.0)
-                for i in range(n):
-                    e = exp32(scores[t, h, i] - m)
-                    scores[t, h, i] = e
-                    total += e
-                chunk_max[c, t, h], chunk_sum[c, t, h] = m, total
-        for s in range(s0, s1):                                  # weighted sum of v, one pass over v[s0:s1]
-            for t in range(max(0, s - start), T):
-                for h in range(H):
-                    add_kv(acc, t, h, scores[t, h, s - s0], v, vs, s, h // G)
-        for t in range(T):                                       # (element by element: a slice assignment
-            for h in range(H):                                   # compiles a shape check with a formatted
-                for j in range(Dh):                              # error message, seconds of the first run)
-                    chunk_out[c, t, h, j] = acc[t, h, j]
+        _attend_chunk(q, k, ks, v, vs, start, c * ATTN_CHUNK, min(S, (c + 1) * ATTN_CHUNK), chunk_max[c],
+                      chunk_sum[c], chunk_out[c])
     for t in range(T):                                           # merge the chunks of each token and head
         for h in range(H):
             m = chunk_max[0, t, h]
@@ -86,6 +56,42 @@ def decode_attention(q, k, ks, v, vs, start, out):
             inv = np.float32(1.0) / total
             for j in range(Dh):
                 out[t, h, j] *= inv
+
+
+@njit(**SERIAL)
+def _attend_chunk(q, k, ks, v, vs, start, s0, s1, m_out, l_out, acc):
+    """decode_attention's task: the T tokens of q against positions s0 .. s1-1 -> per token and head the max m_out
+    [T, H] and sum l_out [T, H] of the exponentiated scores, and acc [T, H, Dh] their weighted sum of v rows.
+    (A function of its own, so that the parallel loop stays small: Numba compiles a large one slowly.)"""
+    T, H, Dh = q.shape
+    G = H // k.shape[1]
+    scale = np.float32(1.0 / np.sqrt(Dh))
+    scores = np.empty((T, H, ATTN_CHUNK), dtype=np.float32)
+    for s in range(s0, s1):                                      # q . k, one pass over k[s0:s1]
+        for t in range(max(0, s - start), T):                    # the tokens that see position s
+            for h in range(H):
+                scores[t, h, s - s0] = dot_kv(q, t, h, k, ks, s, h // G) * scale
+    for t in range(T):                                           # this chunk's softmax statistics
+        n = min(s1, start + t + 1) - s0                          # how many of its positions token t sees
+        for h in range(H):
+            for j in range(Dh):
+                acc[t, h, j] = 0.0
+            if n <= 0:                                           # none: a chunk that adds nothing in the merge
+                m_out[t, h], l_out[t, h] = np.float32(-1e30), np.float32(0.0)
+                continue
+            m = scores[t, h, 0]
+            for i in range(1, n):
+                m = max(m, scores[t, h, i])
+            total = np.float32(0.0)
+            for i in range(n):
+                e = exp32(scores[t, h, i] - m)
+                scores[t, h, i] = e
+                total += e
+            m_out[t, h], l_out[t, h] = m, total
+    for s in range(s0, s1):                                      # weighted sum of v, one pass over v[s0:s1]
+        for t in range(max(0, s - start), T):
+            for h in range(H):
+                add_kv(acc, t, h, scores[t, h, s - s0], v, vs, s, h // G)
 
 
 @njit(**PARALLEL)

@@ -8,8 +8,8 @@
 A prompt longer than SMALL_M tokens is prefilled in chunks of PREFILL_CHUNK (model.prefill), so it stays in the
 first two rows. Past SMALL_M rows in one pass (a batch of prompts, a no-cache pass) BLAS's sgemm is faster than
 the Numba kernels, and then everything else in the pass leaves Numba too: OpenBLAS's and Numba's threads would
-spin-wait on the same 2 cores and take turns (`for_rows` hands the model the ops of such a pass). A one-token step of a Llama block on a contiguous cache runs as one compiled call
-(block.py) for up to FUSED_ROWS tokens.
+spin-wait on the same 2 cores and take turns (`for_rows` hands the model the ops of such a pass). A step of a Llama
+block on a contiguous cache runs as one compiled call (block.py) for up to FUSED_ROWS tokens.
 """
 from __future__ import annotations
 
