@@ -86,18 +86,18 @@ def llama_batched(batched: Path, model: Path, threads: int) -> dict:
 
 
 # --- tinyllm's side --------------------------------------------------------------------------------------------
-def tinyllm_tests(model, batched: bool) -> dict:
-    """The same tests on a loaded model -> {test name: tokens/s}."""
+def tinyllm_tests(model, batched: bool, kv_dtype: str) -> dict:
+    """The same tests on a loaded model, its KV cache in kv_dtype -> {test name: tokens/s}."""
     rng = np.random.default_rng(0)
     ids = lambda n: [int(t) for t in rng.integers(100, 40000, n)]   # noqa: E731
     out = {}
     for n in PROMPTS:
-        cache = model.new_cache(n)
+        cache = model.new_cache(n, kv_dtype)
         t0 = time.perf_counter()
         model.prefill(ids(n), cache)
         out[f"pp{n}"] = n / (time.perf_counter() - t0)
     for depth in (0, DEPTH):
-        cache = model.new_cache(depth + GEN + 1)
+        cache = model.new_cache(depth + GEN + 1, kv_dtype)
         model.prefill(ids(depth + 1), cache)
         tokens = ids(GEN)
         t0 = time.perf_counter()
@@ -106,7 +106,8 @@ def tinyllm_tests(model, batched: bool) -> dict:
         out[f"tg{GEN}" + (f"@d{depth}" if depth else "")] = GEN / (time.perf_counter() - t0)
     if batched:
         for B in BATCHES:
-            pool = PagedKVCache(model.config, block_size=16, num_blocks=B * -(-(PROMPTS[0] + GEN + 1) // 16))
+            pool = PagedKVCache(model.config, block_size=16, num_blocks=B * -(-(PROMPTS[0] + GEN + 1) // 16),
+                                kv_dtype=kv_dtype)
             seqs = [pool.new_sequence() for _ in range(B)]
             model.forward_batch([ids(PROMPTS[0]) for _ in seqs], seqs, last_only=True)
             steps = [ids(B) for _ in range(GEN)]
@@ -139,7 +140,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--formats", nargs="+", default=list(PAIRS), choices=list(PAIRS))
-    ap.add_argument("--kv-dtype", default=None, help="tinyllm's KV cache format, where it has one")
+    ap.add_argument("--kv-dtype", default="float32", choices=["float32", "float16", "int8"],
+                    help="tinyllm's KV cache format (llama.cpp's is float16)")
     ap.add_argument("--write", action="store_true", help="put the table into RESULTS.md and vs_llamacpp.json")
     args = ap.parse_args(argv)
     if args.llama_bench is None:
@@ -166,13 +168,13 @@ def main(argv=None) -> int:
                 run.update(llama_batched(args.llama_batched_bench, gguf, args.threads))
             theirs.append(run)
             for label, m in models.items():
-                ours[label].append(tinyllm_tests(m, args.llama_batched_bench is not None))
+                ours[label].append(tinyllm_tests(m, args.llama_batched_bench is not None, args.kv_dtype))
             print(f"{kind} round {r + 1}: llama.cpp {run}; tinyllm {[o[-1] for o in ours.values()]}", flush=True)
         results[kind] = {label: {test: (float(np.median([t[test] for t in theirs])),
                                         float(np.median([o[test] for o in runs]))) for test in theirs[0]}
                          for label, runs in ours.items()}
         del models
-    meta = dict(date=time.strftime("%Y-%m-%d"), machine=machine_line(machine_info()), threads=args.threads, rounds=args.rounds, kv=args.kv_dtype or "float32",
+    meta = dict(date=time.strftime("%Y-%m-%d"), machine=machine_line(machine_info()), threads=args.threads, rounds=args.rounds, kv=args.kv_dtype,
                 command="python benchmarks/vs_llamacpp.py " + " ".join(sys.argv[1:] if argv is None else argv))
     table = markdown(results, meta)
     print(table)
