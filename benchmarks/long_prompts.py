@@ -12,6 +12,7 @@ into RESULTS.md ("Long prompts") and long_prompts.png.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import sys
@@ -30,6 +31,9 @@ import tinyllm  # noqa: E402
 from report import machine_info, machine_line, replace_section  # noqa: E402
 
 
+_LIBC = ctypes.CDLL("libc.so.6")
+
+
 def _status_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -45,6 +49,7 @@ def measure(model, T: int, one_pass: bool, repeats: int) -> dict:
         ids = rng.integers(100, 40_000, T)
         cache = model.new_cache(T)
         cache.k[:], cache.v[:] = 0.0, 0.0                           # the cache's pages resident before, not during
+        _LIBC.malloc_trim(0)             # freed memory back to the system: reused pages would hide a rise
         Path("/proc/self/clear_refs").write_text("5")               # the peak resident memory starts again here
         before = _status_kib("VmRSS")
         t0 = time.perf_counter()
