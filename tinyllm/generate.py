@@ -274,7 +274,7 @@ def _run(model, prompt, params: SamplingParams, max_new_tokens: int, stops: Stop
     cache = new_cache(model, min(ctx, len(ids) + max_new_tokens), *kv)
     stats.kv_bytes_per_token = cache.bytes_per_token
 
-    # --- prefill: the whole prompt in one pass -> logits for the first new token
+    # --- prefill: the whole prompt (model.prefill: in chunks past 128 tokens) -> logits for the first new token
     t0 = time.perf_counter()
     logits = model.prefill(ids, cache, trace=trace)                      # [V]
     stats.prefill_s = time.perf_counter() - t0

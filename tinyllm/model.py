@@ -1,7 +1,7 @@
 """The transformer: one forward pass, used three ways.
 
     logits(ids)              no cache: the whole sequence at once (the reference every other path must match)
-    prefill(ids, cache)      the prompt in one pass: big matmuls (compute-bound), fills the cache
+    prefill(ids, cache)      the prompt (in chunks past 128 tokens): big matmuls (compute-bound), fills the cache
     decode_step(id, cache)   one new token: reads every weight and the whole cache (memory-bound)
 
 All three run the same `forward`; the only difference is where K and V come from. Two families share the
