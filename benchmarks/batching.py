@@ -193,6 +193,9 @@ def main(argv=None) -> int:
             w["by_slots"] = {int(k): v for k, v in w["by_slots"].items()}
         res["waste"]["by_block"] = {int(k): v for k, v in res["waste"]["by_block"].items()}
         res["roof_step_ms"] = {int(k): v for k, v in res["roof_step_ms"].items()}
+        if "kv_batch_limit_by_dtype" not in res:                  # arithmetic, not a measurement: added on render
+            config = tinyllm.load(backend="numpy").config           # (SmolLM2's shapes: no kernels needed)
+            res["kv_batch_limit_by_dtype"] = kv_limits(config, res["kv_memory"], res["context"])
         replace_section("batching", markdown(res))
         return 0
     if args.threads is not None:
@@ -272,6 +275,7 @@ def main(argv=None) -> int:
     block_bytes = PagedKVCache(model.config, block_size=16, num_blocks=1).block_bytes
     per_seq_blocks = -(-(args.context + 1) // 16)
     res["kv_batch_limit"] = parse_bytes(args.kv_memory) // block_bytes // per_seq_blocks
+    res["kv_batch_limit_by_dtype"] = kv_limits(model.config, res["kv_memory"], args.context)
     # the roofline's limit on the batch ratio, from this machine's roofs measured now: a step takes at least
     # max(bytes / bandwidth, FLOPs / sgemm peak); batch 1 is bound by bytes, a large batch by FLOPs
     res["bandwidth_gbs"] = float(np.median(roofs["bandwidth"]))
@@ -289,6 +293,13 @@ def main(argv=None) -> int:
     replace_section("batching", markdown(res))
     print("wrote benchmarks/RESULTS.md (section batching), batching.json", flush=True)
     return 0
+
+
+def kv_limits(config, kv_memory: str, context: int) -> dict:
+    """Sequences of `context` tokens whose K/V fit in kv_memory (blocks of 16) for each kv_dtype (kv_cache.py)."""
+    blocks_per_seq = -(-(context + 1) // 16)
+    return {d: parse_bytes(kv_memory) // (16 * config.kv_bytes_per_token(d)) // blocks_per_seq
+            for d in ("float32", "float16", "int8")}
 
 
 def markdown(res: dict) -> str:
@@ -360,8 +371,10 @@ def markdown(res: dict) -> str:
         lines.append(f"| {b} | {r['step_ms']:.1f} | {r['per_user_tok_s']:.1f} | {r['total_tok_s']:.1f} | "
                      f"{r['total_tok_s'] / b1:.1f}x | {roof[b]:.1f} | {b / roof[b] * 1e3:.0f} | "
                      f"{roof[1] * b / roof[b]:.1f}x |")
+    smaller_kv = ", ".join(f"{n} with {d} K/V" for d, n in res["kv_batch_limit_by_dtype"].items() if d != "float32")
     lines += ["", f"KV budget {res['kv_memory']}: each sequence at context {res['context']} holds "
-              f"{res['per_seq_kv_mib']:.1f} MiB of K/V, so at most **{res['kv_batch_limit']}** sequences fit; "
+              f"{res['per_seq_kv_mib']:.1f} MiB of K/V, so at most **{res['kv_batch_limit']}** sequences fit "
+              f"({smaller_kv}: `kv_dtype=`); "
               + (f"total tok/s still grew at the largest batch measured ({best}). " if still_growing else
                  f"compute stopped paying at about batch {best} (highest total tok/s measured). ")
               + ("With this budget, memory stops the batch before compute does."
