@@ -86,6 +86,23 @@ def test_inspect_replays_the_request_and_explains_its_token(lab, tiny):
     assert d["attention"]["heads"][2] == pytest.approx(traced.attention(0)[2, P + 3, :P + 4].tolist(), abs=1e-6)
 
 
+def test_inspect_replays_with_the_served_kv_format(tiny):
+    """A server whose pool stores K/V as int8 replays with an int8 cache: the attention shown is what it used."""
+    r = Running(build_app(tiny, ServerOptions(model_name="tiny"), num_blocks=64, block_size=4, max_num_seqs=4,
+                          kv_dtype="int8"))
+    try:
+        body = r.post("/v1/completions", {"prompt": "hello world", "max_tokens": 6, "temperature": 0,
+                                          "ignore_eos": True}).json()
+        d = r.post("/lab/api/inspect", {"request_id": body["id"].removeprefix("cmpl-"), "token": 5,
+                                        "layer": 0}).json()
+        ref = tinyllm.generate(tiny, "hello world", max_new_tokens=6, ignore_eos=True, kv_dtype="int8", trace=True)
+        P = len(ref.prompt_ids)
+        assert d["replay"]["matches"] and d["token"]["id"] == ref.token_ids[5]
+        assert d["attention"]["heads"][1] == pytest.approx(ref.trace.attention(0)[1, P + 4, :P + 5].tolist(), abs=1e-6)
+    finally:
+        r.close()
+
+
 @pytest.mark.parametrize("body, status, message", [
     ({"request_id": "nope", "token": 0}, 404, "history"),
     ({"token": 0}, 400, "request_id"),

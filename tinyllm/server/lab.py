@@ -138,7 +138,7 @@ def replay(engine, request_id: str) -> Replay:
                             f"(a trace keeps every layer's q, k, v for each): inspect a shorter one", "request_id")
     out = generate(engine.model, list(req.prompt_ids), max_new_tokens=len(req.output_ids), temperature=p.temperature,
                    top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, repetition_penalty=p.repetition_penalty,
-                   seed=p.seed, ignore_eos=True, trace=Trace(max_positions=positions))
+                   seed=p.seed, ignore_eos=True, kv_dtype=engine.pool.kv_dtype, trace=Trace(max_positions=positions))
     return Replay(engine.model, out.trace, len(req.prompt_ids), list(req.output_ids), list(out.token_ids))
 
 
