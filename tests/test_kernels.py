@@ -281,6 +281,33 @@ assert "linear_rows" in compiled and "linear_tiled" not in compiled, compiled   
 """
 
 
+HELPER_CHECK = """
+import importlib
+from tinyllm.kernels.block import BLOCKS
+warmup = importlib.import_module("tinyllm.kernels.warmup")     # (the package exports the function of that name)
+
+blocks = [["q4_1", False, "float32"]]
+helper = warmup._blocks_in_a_second_process(blocks)
+assert helper is not None, "an empty cache: the blocks go to a second process"
+assert helper.wait(timeout=600) == 0
+assert BLOCKS[False]._cache._cache_file._load_index(), "the second process filled the disk cache"
+assert warmup._blocks_in_a_second_process(blocks) is None, "a warm cache: nothing to hand over"
+"""
+
+
+def test_first_run_compiles_the_blocks_in_a_second_process(tmp_path):
+    """On a first run (an empty Numba cache) the fused blocks compile in a second process while this one compiles
+    the rest (warmup.py); that process fills the disk cache this one then loads from, and a warm cache starts none."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", HELPER_CHECK], cwd=Path(__file__).parent, env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
 def test_a_model_compiles_only_its_own_kernels():
     """A q4_1 model with float activations warms the 4-bit float kernels and its 8-bit head's one-row kernel (the
     tiled one waits for a paged pool: batches), not the integer kernels of int8 activations: a first run compiles

@@ -7,10 +7,14 @@ model will run and nothing more: its weight formats, its activations setting, it
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 
@@ -25,6 +29,7 @@ from .pointwise import apply_rope, rmsnorm
 
 FORMATS = {np.ndarray: None, Int8Channel: "int8", Int8Block: "int8-block", Q4Block: "q4_1"}
 NOTICE_AFTER_S = 1.0    # loading every kernel from the cache takes well under this; compiling takes seconds
+HELPER_TIMEOUT_S = 600  # a second process compiling the fused blocks: given up on (and done here) after this
 _done: set = set()
 
 
@@ -43,15 +48,28 @@ def _warm_decode_block(fmt: str | None, int8_inputs: bool, kv_dtype: str) -> Non
     BLOCKS[int8_inputs](x, norm, norm, *mats, intdot.USE_VNNI, k, k_scales, v, v_scales, 0, trig, trig, H, 1e-5)
 
 
-def _warm_attention(kv_dtype: str) -> None:
-    """decode_attention, then tiled_causal_attention, on a cache of kv_dtype."""
-    if ("attention", kv_dtype) in _done:
-        return
-    for T in (2, FEW_TOKENS + 1):
-        kv = kv_storage((T + 1, 1, 4), kv_dtype)                    # [S, KVH, Dh]
-        kv[:] = np.ones((T + 1, 1, 4), np.float32)
-        attention(np.ones((T, 2, 4), np.float32), kv, kv, 1)
-    _done.add(("attention", kv_dtype))
+def _warm_attention(kv_dtype: str, kinds=("decode", "prefill")) -> None:
+    """decode_attention (a few query rows) and tiled_causal_attention (a prompt chunk) on a cache of kv_dtype."""
+    for kind in kinds:
+        if ("attention", kind, kv_dtype) not in _done:
+            T = 2 if kind == "decode" else FEW_TOKENS + 1
+            kv = kv_storage((T + 1, 1, 4), kv_dtype)                # [S, KVH, Dh]
+            kv[:] = np.ones((T + 1, 1, 4), np.float32)
+            attention(np.ones((T, 2, 4), np.float32), kv, kv, 1)
+            _done.add(("attention", kind, kv_dtype))
+
+
+def _warm_linear(t, a8: bool, rows: int) -> None:
+    """The linear kernel for weights of class t, int8 activations or not, this many rows (1: the one-row kernel)."""
+    if (t, a8, rows) not in _done:
+        linear(np.ones((rows, BLOCK), np.float32), _matrix(FORMATS[t], 2), int8_inputs=a8)
+        _done.add((t, a8, rows))
+
+
+def _warm_rope() -> None:
+    for T in (1, 2):                # q and k are views of the qkv rows: contiguous for one row, strided for more
+        qkv = np.ones((T, 16), dtype=np.float32)
+        apply_rope(qkv[:, :8].reshape(T, 2, 4), np.ones((T, 2), np.float32), np.ones((T, 2), np.float32))
 
 
 def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False, fused: bool = True,
@@ -62,29 +80,65 @@ def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False
     row per sequence: its tiled kernel waits for batches, warmup_paged); all for its activations setting
     (int8_inputs) and a KV cache of kv_dtype; attention and the small ops. -> seconds it took."""
     t0 = time.perf_counter()
+    a8 = {t: int8_inputs and FORMATS[t] is not None for t in {*matrix_types, *head_types}}   # quantized weights only
+    batched = any(isinstance(d, tuple) and d[0] == "paged" for d in _done)       # a pool exists: heads see batches
+    blocks = [(FORMATS[t], a8[t], kv_dtype) for t in matrix_types
+              if fused and FUSED_ROWS and (t, a8[t], kv_dtype, "block") not in _done]
     with compile_notice(t0):
-        for t in {*matrix_types, *head_types}:
-            fmt = FORMATS[t]
-            a8 = int8_inputs and fmt is not None                     # int8 activations meet quantized weights only
-            batches = t in matrix_types or any(d[0] == "paged" for d in _done if isinstance(d, tuple))
-            for rows in (1, TILE_MIN_ROWS) if batches else (1,):    # the one-row and the tiled kernels
-                if (t, a8, rows) not in _done:
-                    linear(np.ones((rows, BLOCK), np.float32), _matrix(fmt, 2), int8_inputs=a8)
-                    _done.add((t, a8, rows))
-            if fused and FUSED_ROWS and t in matrix_types and (t, a8, kv_dtype, "block") not in _done:
-                _warm_decode_block(fmt, a8, kv_dtype)
-                _done.add((t, a8, kv_dtype, "block"))
+        helper = _blocks_in_a_second_process(blocks)
+        if helper is not None:      # meanwhile, what the blocks do not contain (they hold the rest, compiled there)
+            _warm_attention(kv_dtype, ("prefill",))
+            _warm_rope()
+            for t in set(head_types) - set(matrix_types):
+                _warm_linear(t, a8[t], 1)
+            _wait(helper)
+        for t in a8:                # then the rest: loaded from the cache where the helper compiled it
+            for rows in (1, TILE_MIN_ROWS) if t in matrix_types or batched else (1,):
+                _warm_linear(t, a8[t], rows)
         _warm_attention(kv_dtype)
         if "ops" not in _done:
             x = np.ones((1, BLOCK), dtype=np.float32)
             rmsnorm(x, x[0], 1e-5)
-            for T in (1, 2):        # q and k are views of the qkv rows: contiguous for one row, strided for more
-                qkv = np.ones((T, 16), dtype=np.float32)
-                apply_rope(qkv[:, :8].reshape(T, 2, 4), np.ones((T, 2), np.float32), np.ones((T, 2), np.float32))
+            _warm_rope()
             swiglu(np.ones((1, 4), np.float32))
             swiglu(np.ones((4, 4), np.float32))                    # the parallel form, for batches
             _done.add("ops")
+        compile_blocks(blocks)
     return time.perf_counter() - t0
+
+
+def _wait(helper) -> None:
+    try:
+        helper.wait(timeout=HELPER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        helper.kill()
+
+
+def compile_blocks(blocks) -> None:
+    """Compile (or load) the fused block for each (weight format, int8 activations, kv_dtype) in `blocks`."""
+    for fmt, a8, kv_dtype in blocks:
+        _warm_decode_block(fmt, a8, kv_dtype)
+        _done.add((next(t for t, f in FORMATS.items() if f == fmt), a8, kv_dtype, "block"))
+
+
+def _blocks_in_a_second_process(blocks):
+    """On a first run (the fused block's disk cache still empty), compile the fused blocks in a second process
+    while this one compiles the other kernels: Numba compiles one function at a time per process, so this keeps both
+    cores busy, and this process then loads the blocks from the cache. -> the process, or None (a warm cache, one
+    core, or no way to start it: this process compiles everything itself)."""
+    if not blocks or (os.cpu_count() or 1) < 2 or os.environ.get("TINYLLM_COMPILE_HELPER", "1") == "0":
+        return None
+    try:
+        if any(BLOCKS[a8]._cache._cache_file._load_index() for _, a8, _ in blocks):   # (Numba's own cache index)
+            return None
+        root = Path(__file__).resolve().parents[2]                   # the folder holding this tinyllm package
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p))
+        code = ("import json, sys\nfrom tinyllm.kernels.warmup import compile_blocks\n"
+                "compile_blocks(json.loads(sys.argv[1]))")
+        return subprocess.Popen([sys.executable, "-c", code, json.dumps(blocks)], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except (AttributeError, OSError):
+        return None
 
 
 def warmup_paged(kv_dtype: str = "float32") -> float:
@@ -103,8 +157,7 @@ def warmup_paged(kv_dtype: str = "float32") -> float:
                         np.ones(2, np.int32))
         _warm_attention(kv_dtype)
         for t, a8 in one_row_only:                                  # a head's tiled kernel: a batch's logits
-            linear(np.ones((TILE_MIN_ROWS, BLOCK), np.float32), _matrix(FORMATS[t], 2), int8_inputs=a8)
-            _done.add((t, a8, TILE_MIN_ROWS))
+            _warm_linear(t, a8, TILE_MIN_ROWS)
     _done.add(("paged", kv_dtype))
     return time.perf_counter() - t0
 
