@@ -96,7 +96,7 @@ def main(argv=None) -> int:
         if args.first_run:
             line += f" {r['first_run_s']:.1f} s | {r['compile_s']} s |"
         lines.append(line)
-    text = "\n".join(lines) + "\n"
+    text = "\n".join(lines)
     print(text)
     if not args.no_write:
         replace_section("startup", text)
