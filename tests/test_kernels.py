@@ -281,6 +281,23 @@ assert "linear_rows" in compiled and "linear_tiled" not in compiled, compiled   
 """
 
 
+def test_a_slow_warm_up_says_it_is_compiling(capsys):
+    """The first-run notice: a warm-up that takes longer than `after` says so on stderr, then how long it took; a
+    quick one (kernels loaded from the cache) prints nothing."""
+    import time
+
+    from tinyllm.kernels.warmup import compile_notice
+    with compile_notice(time.perf_counter(), after=0.05):
+        time.sleep(0.3)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("tinyllm: compiling the Numba kernels")
+    assert err[1].startswith("tinyllm: kernels compiled in")
+    with compile_notice(time.perf_counter(), after=0.5):
+        pass
+    time.sleep(0.6)                                         # (past the timer: it was cancelled)
+    assert capsys.readouterr().err == ""
+
+
 HELPER_CHECK = """
 import importlib
 from tinyllm.kernels.block import BLOCKS
