@@ -107,12 +107,12 @@ class _Cursor:
         length_at = _U64.unpack_from
         raw = []
         for _ in range(count):
-            if pos + 8 > size or pos + 8 + length_at(buf, pos)[0] > size:
+            end = pos + 8 + (length_at(buf, pos)[0] if pos + 8 <= size else 0)
+            if end > size:
                 self.pos = pos
                 self.string()                                    # runs past the end: raises the truncation error
-            n = length_at(buf, pos)[0]
-            raw.append(buf[pos + 8:pos + 8 + n])
-            pos += 8 + n
+            raw.append(buf[pos + 8:end])
+            pos = end
         self.pos = pos
         try:
             return [b.decode("utf-8") for b in raw]

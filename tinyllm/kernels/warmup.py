@@ -30,7 +30,8 @@ from .pointwise import apply_rope, rmsnorm
 FORMATS = {np.ndarray: None, Int8Channel: "int8", Int8Block: "int8-block", Q4Block: "q4_1"}
 NOTICE_AFTER_S = 1.0    # loading every kernel from the cache takes well under this; compiling takes seconds
 HELPER_TIMEOUT_S = 600  # a second process compiling the fused blocks: given up on (and done here) after this
-_done: set = set()
+_done: set = set()      # what is warm, as tagged tuples: ("linear", fmt, a8, rows), ("block", fmt, a8, kv_dtype),
+                        # ("attention", kind, kv_dtype), ("paged", kv_dtype), ("ops",)
 
 
 def _matrix(fmt: str | None, rows: int):
@@ -59,11 +60,11 @@ def _warm_attention(kv_dtype: str, kinds=("decode", "prefill")) -> None:
             _done.add(("attention", kind, kv_dtype))
 
 
-def _warm_linear(t, a8: bool, rows: int) -> None:
-    """The linear kernel for weights of class t, int8 activations or not, this many rows (1: the one-row kernel)."""
-    if (t, a8, rows) not in _done:
-        linear(np.ones((rows, BLOCK), np.float32), _matrix(FORMATS[t], 2), int8_inputs=a8)
-        _done.add((t, a8, rows))
+def _warm_linear(fmt: str | None, a8: bool, rows: int) -> None:
+    """The linear kernel for weights of format fmt, int8 activations or not, this many rows (1: the one-row kernel)."""
+    if ("linear", fmt, a8, rows) not in _done:
+        linear(np.ones((rows, BLOCK), np.float32), _matrix(fmt, 2), int8_inputs=a8)
+        _done.add(("linear", fmt, a8, rows))
 
 
 def _warm_rope() -> None:
@@ -80,29 +81,30 @@ def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False
     row per sequence: its tiled kernel waits for batches, warmup_paged); all for its activations setting
     (int8_inputs) and a KV cache of kv_dtype; attention and the small ops. -> seconds it took."""
     t0 = time.perf_counter()
-    a8 = {t: int8_inputs and FORMATS[t] is not None for t in {*matrix_types, *head_types}}   # quantized weights only
-    batched = any(isinstance(d, tuple) and d[0] == "paged" for d in _done)       # a pool exists: heads see batches
-    blocks = [(FORMATS[t], a8[t], kv_dtype) for t in matrix_types
-              if fused and FUSED_ROWS and (t, a8[t], kv_dtype, "block") not in _done]
+    matrices, heads = {FORMATS[t] for t in matrix_types}, {FORMATS[t] for t in head_types}
+    a8 = {fmt: int8_inputs and fmt is not None for fmt in matrices | heads}     # int8 activations: quantized only
+    batched = any(key[0] == "paged" for key in _done)                         # a pool exists: heads see batches
+    blocks = [(fmt, a8[fmt], kv_dtype) for fmt in matrices
+              if fused and FUSED_ROWS and ("block", fmt, a8[fmt], kv_dtype) not in _done]
     with compile_notice(t0):
         helper = _blocks_in_a_second_process(blocks)
         if helper is not None:      # meanwhile, what the blocks do not contain (they hold the rest, compiled there)
             _warm_attention(kv_dtype, ("prefill",))
             _warm_rope()
-            for t in set(head_types) - set(matrix_types):
-                _warm_linear(t, a8[t], 1)
+            for fmt in heads - matrices:
+                _warm_linear(fmt, a8[fmt], 1)
             _wait(helper)
-        for t in a8:                # then the rest: loaded from the cache where the helper compiled it
-            for rows in (1, TILE_MIN_ROWS) if t in matrix_types or batched else (1,):
-                _warm_linear(t, a8[t], rows)
+        for fmt in a8:              # then the rest: loaded from the cache where the helper compiled it
+            for rows in (1, TILE_MIN_ROWS) if fmt in matrices or batched else (1,):
+                _warm_linear(fmt, a8[fmt], rows)
         _warm_attention(kv_dtype)
-        if "ops" not in _done:
+        if ("ops",) not in _done:
             x = np.ones((1, BLOCK), dtype=np.float32)
             rmsnorm(x, x[0], 1e-5)
             _warm_rope()
             swiglu(np.ones((1, 4), np.float32))
             swiglu(np.ones((4, 4), np.float32))                    # the parallel form, for batches
-            _done.add("ops")
+            _done.add(("ops",))
         compile_blocks(blocks)
     return time.perf_counter() - t0
 
@@ -118,7 +120,7 @@ def compile_blocks(blocks) -> None:
     """Compile (or load) the fused block for each (weight format, int8 activations, kv_dtype) in `blocks`."""
     for fmt, a8, kv_dtype in blocks:
         _warm_decode_block(fmt, a8, kv_dtype)
-        _done.add((next(t for t, f in FORMATS.items() if f == fmt), a8, kv_dtype, "block"))
+        _done.add(("block", fmt, a8, kv_dtype))
 
 
 def _blocks_in_a_second_process(blocks):
@@ -145,8 +147,8 @@ def warmup_paged(kv_dtype: str = "float32") -> float:
     """Compile (or load) what batches need: the paged-attention kernel for blocks of kv_dtype (and the other
     attention kernels of that format), and the tiled linears of output heads warmed so far for one row only.
     PagedKVCache calls it when a pool is made, so only users of a paged pool pay for it. -> seconds it took."""
-    one_row_only = [(d[0], d[1]) for d in _done
-                    if isinstance(d, tuple) and len(d) == 3 and d[2] == 1 and (d[0], d[1], TILE_MIN_ROWS) not in _done]
+    one_row_only = [(fmt, a8) for _, fmt, a8, rows in (key for key in _done if key[0] == "linear")
+                    if rows == 1 and ("linear", fmt, a8, TILE_MIN_ROWS) not in _done]
     if ("paged", kv_dtype) in _done and not one_row_only:
         return 0.0
     t0 = time.perf_counter()
@@ -156,8 +158,8 @@ def warmup_paged(kv_dtype: str = "float32") -> float:
         paged_attention(np.ones((2, 2, 4), np.float32), blocks, blocks, np.zeros((2, 1), np.int32),
                         np.ones(2, np.int32))
         _warm_attention(kv_dtype)
-        for t, a8 in one_row_only:                                  # a head's tiled kernel: a batch's logits
-            _warm_linear(t, a8, TILE_MIN_ROWS)
+        for fmt, a8 in one_row_only:                                # a head's tiled kernel: a batch's logits
+            _warm_linear(fmt, a8, TILE_MIN_ROWS)
     _done.add(("paged", kv_dtype))
     return time.perf_counter() - t0
 
