@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import config
+from numba.core.errors import TypingError
 from numba.extending import overload
 
 from .. import ops
@@ -59,22 +60,18 @@ def _linear_into_typed(w, x, out, int8_inputs, vnni):
         else:
             many(w, x, out)
 
-    def quantized(w, x, out, int8_inputs, vnni):
-        if int8_inputs and x.shape[0] < TILE_MIN_ROWS:
-            integer(w, x, out, vnni)
-        elif x.shape[0] < TILE_MIN_ROWS:
-            few(w, x, out)
-        else:
-            many(w, round_rows(x) if int8_inputs else x, out)
-    def rounded(w, x, out, int8_inputs, vnni):                           # int8_inputs known to be True
+    def rounded(w, x, out, int8_inputs, vnni):                           # quantized weights, int8 activations
         if x.shape[0] < TILE_MIN_ROWS:
             integer(w, x, out, vnni)
         else:
             many(w, round_rows(x), out)
-    setting = getattr(int8_inputs, "literal_value", None)               # known when the caller compiles
-    if len(w.types) == 1 or setting is False:
-        return floats
-    return rounded if setting else quantized
+
+    # The activations setting is a constant of the caller (block.py compiles one block per setting), so a block
+    # compiles only its own setting's kernels.
+    setting = getattr(int8_inputs, "literal_value", None)
+    if setting is None:
+        raise TypingError("linear_into: int8_inputs must be a compile-time constant in compiled code")
+    return rounded if setting and len(w.types) > 1 else floats
 
 
 def linear(x: np.ndarray, w, b: np.ndarray | None = None, int8_inputs: bool = False) -> np.ndarray:
