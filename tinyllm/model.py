@@ -19,7 +19,7 @@ from . import ops
 from .config import ModelConfig
 from .kv_cache import ContiguousKVCache, Segment, attention_groups
 from .quant import QuantizedWeight
-from .weights import FUSED, fuse_rows
+from .weights import fuse_layer_matrices
 
 BACKENDS = ("numba", "numpy")
 ACTIVATIONS = ("float32", "int8")
@@ -68,21 +68,17 @@ class Transformer:
         self.final_norm = weights["final_norm"]                    # [D]
         self.final_norm_b = weights.get("final_norm_b")
         self.pos_embed = weights.get("pos_embed")                  # [context, D] (gpt2 only)
+        # q/k/v and gate/up as one matrix each: the loaders hand them over fused already; other dicts are fused here
+        weights = fuse_layer_matrices(dict(weights), c.n_layers)
         self.layers = []
         for i in range(c.n_layers):
             w = lambda name: weights.get(f"layers.{i}.{name}")     # noqa: E731
-
-            def fuse(fused):    # the loaders hand them over fused (weights.fuse_layer_matrices); other dicts here
-                if w(fused) is not None:
-                    return w(fused)
-                parts = [w(name) for name in FUSED[fused]]
-                return None if parts[0] is None else fuse_rows(parts)
             self.layers.append(LayerWeights(
                 attn_norm=w("attn_norm"), attn_norm_b=w("attn_norm_b"),
-                wqkv=fuse("wqkv"), bqkv=fuse("bqkv"),
+                wqkv=w("wqkv"), bqkv=w("bqkv"),
                 wo=w("wo"), bo=w("bo"),
                 ffn_norm=w("ffn_norm"), ffn_norm_b=w("ffn_norm_b"),
-                w_in=fuse("w_in") if c.arch == "llama" else w("w_fc"), b_in=w("b_fc"),
+                w_in=w("w_in") if c.arch == "llama" else w("w_fc"), b_in=w("b_fc"),
                 w_out=w("w_down") if c.arch == "llama" else w("w_proj"), b_out=w("b_proj"),
             ))
         if c.arch == "llama":  # one table of rotation angles for every position the model supports
