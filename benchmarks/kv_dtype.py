@@ -161,19 +161,26 @@ def speed(model, contexts, rounds: int, steps: int) -> tuple[dict, dict]:
             {key: float(np.median(t)) for key, t in attention.items()})
 
 
-def speed_section(model, res: dict, attention: dict, command: str) -> str:
+def speed_section(runs: list, command: str) -> str:
+    """runs: (model, step seconds, attention seconds) per weight format, as speed() returns them."""
     lines = ["## KV cache formats: decode speed", "",
              f"Measured {time.strftime('%Y-%m-%d %H:%M')} with `{command}` on {machine_line(machine_info())}. "
-             f"Batch 1, {model.quant} weights ({model.weight_bytes / 1e6:.0f} MB), the cache filled to the context; "
-             f"medians over interleaved rounds. Targets (issue 19) at 2,048 tokens: float16 >= 1.1x, int8 >= 1.25x "
-             f"the float32 cache.", "",
-             "| context | KV format | KV MB read per step | decode tok/s | vs float32 | attention per layer, us | "
-             "its KV read, GB/s |", "|---|---|---|---|---|---|---|"]
-    for (S, d), t in res.items():
-        kv_bytes = S * model.config.kv_bytes_per_token(d)
-        a = attention[S, d]
-        lines.append(f"| {S:,} | {d} | {kv_bytes / 1e6:.1f} | {1 / t:.1f} | {res[S, 'float32'] / t:.2f}x | "
-                     f"{a * 1e6:.0f} | {kv_bytes / model.config.n_layers / a / 1e9:.1f} |")
+             f"Batch 1, the cache filled to the context; medians over interleaved rounds. Targets (issue 19) at "
+             f"2,048 tokens: float16 >= 1.1x, int8 >= 1.25x the float32 cache. `memory-bound limit`: the ratio if "
+             f"a step took time in proportion to the bytes it reads (weights + K/V), the most a smaller cache can "
+             f"buy at that weight format.", "",
+             "| weights | context | KV format | KV MB read per step | decode tok/s | vs float32 | memory-bound limit | "
+             "attention per layer, us | its KV read, GB/s |", "|---|---|---|---|---|---|---|---|---|"]
+    for model, res, attention in runs:
+        weights = f"{model.quant} ({model.weight_bytes / 1e6:.0f} MB)"
+        for (S, d), t in res.items():
+            kv_bytes = S * model.config.kv_bytes_per_token(d)
+            limit = (model.weight_bytes + S * model.config.kv_bytes_per_token("float32")) / (model.weight_bytes
+                                                                                             + kv_bytes)
+            a = attention[S, d]
+            lines.append(f"| {weights} | {S:,} | {d} | {kv_bytes / 1e6:.1f} | {1 / t:.1f} | "
+                         f"{res[S, 'float32'] / t:.2f}x | {limit:.2f}x | {a * 1e6:.0f} | "
+                         f"{kv_bytes / model.config.n_layers / a / 1e9:.1f} |")
     return "\n".join(lines)
 
 
@@ -181,7 +188,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quality", action="store_true", help="KLD of each format against the float32 cache")
     p.add_argument("--speed", action="store_true", help="decode tok/s per format at each context")
-    p.add_argument("--quant", default="fp32", help="weights for the speed part (tinyllm.load's quant)")
+    p.add_argument("--quant", default="fp32", help="weights for the speed part (tinyllm.load's quant; several: "
+                   "comma-separated, e.g. fp32,native)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="tiny settings, nothing written (a smoke test)")
     p.add_argument("--no-write", action="store_true")
@@ -205,9 +213,13 @@ def main() -> None:
         if write:
             replace_section("kv-dtype-quality", section)
     if args.speed:
-        model = tinyllm.load(quant=args.quant)
         contexts, rounds, steps = ((64, 256), 1, 3) if args.quick else (CONTEXTS, 5, 10)
-        section = speed_section(model, *speed(model, contexts, rounds, steps), command)
+        runs = []
+        for quant in args.quant.split(","):
+            model = tinyllm.load(quant=quant)
+            runs.append((model, *speed(model, contexts, rounds, steps)))
+            del model
+        section = speed_section(runs, command)
         print(section)
         if write:
             replace_section("kv-dtype-speed", section)

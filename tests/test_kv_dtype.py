@@ -99,6 +99,69 @@ def test_float16_conversions_without_f16c_give_numpys_bits():
         np.testing.assert_array_equal(got, x.astype(np.float16).view(np.uint16))
 
 
+@pytest.mark.parametrize("f16c", [True, False])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_written_out_rows_equal_the_plain_loops(kv_dtype, head_dim, f16c):
+    """kv_rows' score_row / add_row (a row widened once for its G query heads, in LLVM IR; float16 by F16C or by
+    integer arithmetic) compute what the plain loops dot_kv / add_kv compute, head by head."""
+    from numba import njit
+    from tinyllm.kernels import kv_formats, kv_rows
+    if f16c and not kv_formats.F16C:
+        pytest.skip("this CPU has no F16C")
+    score_row, add_row = kv_rows._row_intrinsics(f16c)
+    dot_kv, add_kv = kv_formats.dot_kv, kv_formats.add_kv
+
+    @njit
+    def written_out(q, k, ks, p, scores, acc):
+        G = q.shape[1] // k.shape[1]
+        for s in range(k.shape[0]):
+            for kvh in range(k.shape[1]):
+                score_row(q, 0, kvh * G, G, k, ks, s, kvh, np.float32(0.5), scores, s)
+                add_row(acc, 0, kvh * G, G, p, s, k, ks, s, kvh)
+
+    @njit
+    def plain(q, k, ks, p, scores, acc):
+        G = q.shape[1] // k.shape[1]
+        for s in range(k.shape[0]):
+            for h in range(q.shape[1]):
+                scores[0, h, s] = dot_kv(q, 0, h, k, ks, s, h // G) * np.float32(0.5)
+                add_kv(acc, 0, h, p[0, h, s], k, ks, s, h // G)
+
+    rng = np.random.default_rng(5)
+    stored_kv, _ = stored(rng, (40, 2, head_dim), kv_dtype, 3.0)
+    k, ks = kv_formats.kernel_operands(stored_kv)
+    q = rng.normal(size=(1, 6, head_dim)).astype(np.float32)
+    p = rng.random((1, 6, 40)).astype(np.float32)
+    results = []
+    for run in (written_out, plain):
+        scores, acc = np.zeros((1, 6, 40), np.float32), np.zeros((1, 6, head_dim), np.float32)
+        run(q, k, ks, p, scores, acc)
+        results.append((scores, acc))
+    (got_scores, got_acc), (want_scores, want_acc) = results
+    assert np.abs(want_scores).max() > 1.0 and np.abs(want_acc).max() > 1.0       # not a comparison of zeros
+    np.testing.assert_allclose(got_scores, want_scores, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(got_acc, want_acc, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128, 48])
+def test_decode_attention_on_each_head_size(kv_dtype, head_dim):
+    """The decode and paged kernels equal numpy attention for head sizes kv_rows writes out (64, 128) and one it
+    does not (48: the plain loops), on every stored format."""
+    rng = np.random.default_rng(11)
+    H, KVH, T, start = 6, 2, 3, 70
+    q = rng.normal(size=(T, H, head_dim)).astype(np.float32)
+    (k, k32), (v, v32) = (stored(rng, (start + T, KVH, head_dim), kv_dtype) for _ in range(2))
+    np.testing.assert_allclose(kernels.attention(q, k, v, start), ops.attention(q, k32, v32, start), atol=2e-5)
+    NB, BS = 10, 8
+    (kb, kb32), (vb, vb32) = (stored(rng, (NB, BS, KVH, head_dim), kv_dtype) for _ in range(2))
+    lens, tables = np.array([5, 30], np.int32), np.array([[7, 0, 0, 0], [2, 9, 4, 1]], np.int32)
+    qb = q[:2]
+    np.testing.assert_allclose(kernels.paged_attention(qb, kb, vb, tables, lens),
+                               ops.paged_attention(qb, kb32, vb32, tables, lens), atol=2e-5)
+
+
 # --- kernels == numpy twins on each stored format ----------------------------------------------------------------
 @pytest.mark.parametrize("kv_dtype", ROUNDED)
 @pytest.mark.parametrize("T, start", [(1, 40), (4, 7), (17, 3), (20, 200)])

@@ -5,8 +5,9 @@ Grouped-query attention throughout: query head h reads KV head h // G, so a K/V 
 heads of its group (and every query token of the call) from L1; K and V are never copied or repeated.
 
 K and V arrive in the cache's stored format as (values, scales) pairs (kv_formats.py: float32, float16 bits, or
-int8 with a scale per 32 values): `dot_kv` and `add_kv` read a stored row, widening a float16 value to float32 as
-it is loaded and applying an int8 group's scale once per group, so no dequantized copy of the cache is made.
+int8 with a scale per 32 values) and no dequantized copy of the cache is made. For head sizes 64 and 128,
+kv_rows.py's `score_row` and `add_row` widen a stored row once and use it for the G query heads of its KV head;
+for other shapes `dot_kv` and `add_kv` (kv_formats.py) read it head by head, in plain loops.
 """
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ import numpy as np
 from numba import njit, prange
 
 from .kv_formats import add_kv, dot_kv
+from .kv_rows import add_row, fits, score_row
 from .numerics import PARALLEL, SERIAL, exp32, softmax_in_place
 
-ATTN_CHUNK = 32   # cache positions per task in decode attention
+ATTN_CHUNK = 64   # fewest cache positions per task in decode attention
+ATTN_TASKS = 16   # most tasks: past 1,024 positions the chunks grow, so the serial merge stays small
 
 
 @njit(**PARALLEL)
@@ -26,19 +29,20 @@ def decode_attention(q, k, ks, v, vs, start, out):
     float formats) -> out [T, H, Dh]. Causal: token t sees positions 0 .. start+t.
 
     Split over positions ("flash-decoding", Dao et al. 2023), so both cores work even with 3 KV heads: each task
-    takes ATTN_CHUNK positions and computes, per query token and head, the scores, their running max m, the sum l
-    of their exponentials and the weighted sum of V; the chunks are merged at the end by rescaling with
-    exp(m_chunk - m_global). A task reads its K rows, then its V rows, front to back: [s, all KV heads, Dh] is one
+    takes a chunk of positions (ATTN_CHUNK, or S / ATTN_TASKS when that is more) and computes, per query token and
+    head, the scores, their running max m, the sum l of their exponentials and the weighted sum of V; the chunks
+    are merged at the end by rescaling with exp(m_chunk - m_global). A task reads its K rows, then its V rows, front to back: [s, all KV heads, Dh] is one
     contiguous run of memory, which the hardware prefetcher streams well.
     """
     T, H, Dh = q.shape
     S = k.shape[0]
-    n_chunks = (S + ATTN_CHUNK - 1) // ATTN_CHUNK
+    chunk = max(ATTN_CHUNK, (S + ATTN_TASKS - 1) // ATTN_TASKS)
+    n_chunks = (S + chunk - 1) // chunk
     chunk_max = np.empty((n_chunks, T, H), dtype=np.float32)    # m per chunk
     chunk_sum = np.empty((n_chunks, T, H), dtype=np.float32)    # l per chunk
     chunk_out = np.empty((n_chunks, T, H, Dh), dtype=np.float32)
     for c in prange(n_chunks):
-        _attend_chunk(q, k, ks, v, vs, start, c * ATTN_CHUNK, min(S, (c + 1) * ATTN_CHUNK), chunk_max[c],
+        _attend_chunk(q, k, ks, v, vs, start, c * chunk, min(S, (c + 1) * chunk), chunk_max[c],
                       chunk_sum[c], chunk_out[c])
     for t in range(T):                                           # merge the chunks of each token and head
         for h in range(H):
@@ -64,13 +68,19 @@ def _attend_chunk(q, k, ks, v, vs, start, s0, s1, m_out, l_out, acc):
     [T, H] and sum l_out [T, H] of the exponentiated scores, and acc [T, H, Dh] their weighted sum of v rows.
     (A function of its own, so that the parallel loop stays small: Numba compiles a large one slowly.)"""
     T, H, Dh = q.shape
-    G = H // k.shape[1]
+    KVH = k.shape[1]
+    G = H // KVH
     scale = np.float32(1.0 / np.sqrt(Dh))
-    scores = np.empty((T, H, ATTN_CHUNK), dtype=np.float32)
+    scores = np.empty((T, H, s1 - s0), dtype=np.float32)
+    written_out = fits(k, ks)                                    # a head size kv_rows.py has code for
     for s in range(s0, s1):                                      # q . k, one pass over k[s0:s1]
         for t in range(max(0, s - start), T):                    # the tokens that see position s
-            for h in range(H):
-                scores[t, h, s - s0] = dot_kv(q, t, h, k, ks, s, h // G) * scale
+            for kvh in range(KVH):                               # its G query heads kvh*G .. kvh*G+G-1
+                if written_out:
+                    score_row(q, t, kvh * G, G, k, ks, s, kvh, scale, scores, s - s0)
+                else:
+                    for h in range(kvh * G, (kvh + 1) * G):
+                        scores[t, h, s - s0] = dot_kv(q, t, h, k, ks, s, kvh) * scale
     for t in range(T):                                           # this chunk's softmax statistics
         n = min(s1, start + t + 1) - s0                          # how many of its positions token t sees
         for h in range(H):
@@ -90,8 +100,12 @@ def _attend_chunk(q, k, ks, v, vs, start, s0, s1, m_out, l_out, acc):
             m_out[t, h], l_out[t, h] = m, total
     for s in range(s0, s1):                                      # weighted sum of v, one pass over v[s0:s1]
         for t in range(max(0, s - start), T):
-            for h in range(H):
-                add_kv(acc, t, h, scores[t, h, s - s0], v, vs, s, h // G)
+            for kvh in range(KVH):
+                if written_out:
+                    add_row(acc, t, kvh * G, G, scores, s - s0, v, vs, s, kvh)
+                else:
+                    for h in range(kvh * G, (kvh + 1) * G):
+                        add_kv(acc, t, h, scores[t, h, s - s0], v, vs, s, kvh)
 
 
 @njit(**PARALLEL)
@@ -114,18 +128,27 @@ def _paged_attend_one(q, k, ks, v, vs, BS, table, S, out):
     KVH = k.shape[1]
     G = H // KVH
     scale = np.float32(1.0 / np.sqrt(Dh))
-    scores = np.empty((H, S), dtype=np.float32)                  # [H, S]
+    scores = np.empty((1, H, S), dtype=np.float32)               # [1, H, S]
+    written_out = fits(k, ks)
     for s in range(S):                                           # q . k, position s found via the block table
         slot = table[s // BS] * BS + s % BS
-        for h in range(H):
-            scores[h, s] = dot_kv(q, 0, h, k, ks, slot, h // G) * scale
+        for kvh in range(KVH):
+            if written_out:
+                score_row(q, 0, kvh * G, G, k, ks, slot, kvh, scale, scores, s)
+            else:
+                for h in range(kvh * G, (kvh + 1) * G):
+                    scores[0, h, s] = dot_kv(q, 0, h, k, ks, slot, kvh) * scale
     for h in range(H):                                           # softmax over the S positions
-        softmax_in_place(scores[h])
+        softmax_in_place(scores[0, h])
     acc_out = np.zeros((1, H, Dh), dtype=np.float32)             # [1, H, Dh] weighted sum of v, stays in L1
     for s in range(S):
         slot = table[s // BS] * BS + s % BS
-        for h in range(H):
-            add_kv(acc_out, 0, h, scores[h, s], v, vs, slot, h // G)
+        for kvh in range(KVH):
+            if written_out:
+                add_row(acc_out, 0, kvh * G, G, scores, s, v, vs, slot, kvh)
+            else:
+                for h in range(kvh * G, (kvh + 1) * G):
+                    add_kv(acc_out, 0, h, scores[0, h, s], v, vs, slot, kvh)
     for h in range(H):
         for j in range(Dh):
             out[0, h, j] = acc_out[0, h, j]
