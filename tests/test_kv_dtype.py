@@ -100,42 +100,44 @@ def test_float16_conversions_without_f16c_give_numpys_bits():
 
 
 @pytest.mark.parametrize("f16c", [True, False])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim, H", [(64, 6), (128, 6), (64, 14)])
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_written_out_rows_equal_the_plain_loops(kv_dtype, head_dim, f16c):
-    """kv_rows' score_row / add_row (a row widened once for its G query heads, in LLVM IR; float16 by F16C or by
-    integer arithmetic) compute what the plain loops dot_kv / add_kv compute, head by head."""
+def test_written_out_rows_equal_the_plain_loops(kv_dtype, head_dim, H, f16c):
+    """kv_rows' score_rows / add_rows (a pass over cached rows, each widened once for the query heads of its KV
+    head, up to 4 at a time in registers; in LLVM IR; float16 by F16C or by integer arithmetic) compute what the
+    plain loops dot_kv / add_kv compute, head by head: 3 and 7 query heads per KV head, passes that start anywhere,
+    sums added to what acc held."""
     from numba import njit
     from tinyllm.kernels import kv_formats, kv_rows
     if f16c and not kv_formats.F16C:
         pytest.skip("this CPU has no F16C")
-    score_row, add_row = kv_rows._row_intrinsics(f16c)
+    score_rows, add_rows = kv_rows._row_intrinsics(f16c)
     dot_kv, add_kv = kv_formats.dot_kv, kv_formats.add_kv
 
     @njit
-    def written_out(q, k, ks, p, scores, acc):
+    def written_out(q, k, ks, p, scores, acc):               # positions 3.. in two passes: offsets and counts
         G = q.shape[1] // k.shape[1]
-        for s in range(k.shape[0]):
-            for kvh in range(k.shape[1]):
-                score_row(q, 0, kvh * G, G, k, ks, s, kvh, np.float32(0.5), scores, s)
-                add_row(acc, 0, kvh * G, G, p, s, k, ks, s, kvh)
+        for kvh in range(k.shape[1]):
+            for first, n in ((3, 15), (18, k.shape[0] - 18)):
+                score_rows(q, 0, kvh * G, G, k, ks, first, n, kvh, np.float32(0.5), scores, first - 3)
+                add_rows(acc, 0, kvh * G, G, p, first - 3, n, k, ks, first, kvh)
 
     @njit
     def plain(q, k, ks, p, scores, acc):
         G = q.shape[1] // k.shape[1]
-        for s in range(k.shape[0]):
+        for s in range(3, k.shape[0]):
             for h in range(q.shape[1]):
-                scores[0, h, s] = dot_kv(q, 0, h, k, ks, s, h // G) * np.float32(0.5)
-                add_kv(acc, 0, h, p[0, h, s], k, ks, s, h // G)
+                scores[0, h, s - 3] = dot_kv(q, 0, h, k, ks, s, h // G) * np.float32(0.5)
+                add_kv(acc, 0, h, p[0, h, s - 3], k, ks, s, h // G)
 
     rng = np.random.default_rng(5)
     stored_kv, _ = stored(rng, (40, 2, head_dim), kv_dtype, 3.0)
     k, ks = kv_formats.kernel_operands(stored_kv)
-    q = rng.normal(size=(1, 6, head_dim)).astype(np.float32)
-    p = rng.random((1, 6, 40)).astype(np.float32)
+    q = rng.normal(size=(1, H, head_dim)).astype(np.float32)
+    p = rng.random((1, H, 37)).astype(np.float32)
     results = []
     for run in (written_out, plain):
-        scores, acc = np.zeros((1, 6, 40), np.float32), np.zeros((1, 6, head_dim), np.float32)
+        scores, acc = np.zeros((1, H, 37), np.float32), np.ones((1, H, head_dim), np.float32)
         run(q, k, ks, p, scores, acc)
         results.append((scores, acc))
     (got_scores, got_acc), (want_scores, want_acc) = results

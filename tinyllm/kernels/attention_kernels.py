@@ -15,11 +15,12 @@ import numpy as np
 from numba import njit, prange
 
 from .kv_formats import add_kv, dot_kv
-from .kv_rows import add_row, fits, score_row
+from .kv_rows import add_rows, fits, score_rows
 from .numerics import PARALLEL, SERIAL, exp32, softmax_in_place
 
 ATTN_CHUNK = 64   # fewest cache positions per task in decode attention
 ATTN_TASKS = 16   # most tasks: past 1,024 positions the chunks grow, so the serial merge stays small
+ROWS_AT_ONCE = 16  # cached positions per pass of kv_rows: their rows for every KV head come from memory once
 
 
 @njit(**PARALLEL)
@@ -31,8 +32,8 @@ def decode_attention(q, k, ks, v, vs, start, out):
     Split over positions ("flash-decoding", Dao et al. 2023), so both cores work even with 3 KV heads: each task
     takes a chunk of positions (ATTN_CHUNK, or S / ATTN_TASKS when that is more) and computes, per query token and
     head, the scores, their running max m, the sum l of their exponentials and the weighted sum of V; the chunks
-    are merged at the end by rescaling with exp(m_chunk - m_global). A task reads its K rows, then its V rows, front to back: [s, all KV heads, Dh] is one
-    contiguous run of memory, which the hardware prefetcher streams well.
+    are merged at the end by rescaling with exp(m_chunk - m_global). A task reads its K rows, then its V rows,
+    front to back, ROWS_AT_ONCE positions at a time (each KV head's part of them in turn, kv_rows.py).
     """
     T, H, Dh = q.shape
     S = k.shape[0]
@@ -73,16 +74,19 @@ def _attend_chunk(q, k, ks, v, vs, start, s0, s1, m_out, l_out, acc):
     scale = np.float32(1.0 / np.sqrt(Dh))
     scores = np.empty((T, H, s1 - s0), dtype=np.float32)
     written_out = fits(k, ks)                                    # a head size kv_rows.py has code for
-    for s in range(s0, s1):                                      # q . k, one pass over k[s0:s1]
-        for t in range(max(0, s - start), T):                    # the tokens that see position s
+    for t in range(T):                                           # q . k
+        n = min(s1, start + t + 1) - s0                          # how many of the positions token t sees
+        for first in range(0, n, ROWS_AT_ONCE):                  # a few rows at a time: read from memory once
+            rows = min(ROWS_AT_ONCE, n - first)
             for kvh in range(KVH):                               # its G query heads kvh*G .. kvh*G+G-1
                 if written_out:
-                    score_row(q, t, kvh * G, G, k, ks, s, kvh, scale, scores, s - s0)
-                else:
+                    score_rows(q, t, kvh * G, G, k, ks, s0 + first, rows, kvh, scale, scores, first)
+                    continue
+                for i in range(first, first + rows):
                     for h in range(kvh * G, (kvh + 1) * G):
-                        scores[t, h, s - s0] = dot_kv(q, t, h, k, ks, s, kvh) * scale
+                        scores[t, h, i] = dot_kv(q, t, h, k, ks, s0 + i, kvh) * scale
     for t in range(T):                                           # this chunk's softmax statistics
-        n = min(s1, start + t + 1) - s0                          # how many of its positions token t sees
+        n = min(s1, start + t + 1) - s0
         for h in range(H):
             for j in range(Dh):
                 acc[t, h, j] = 0.0
@@ -98,14 +102,17 @@ def _attend_chunk(q, k, ks, v, vs, start, s0, s1, m_out, l_out, acc):
                 scores[t, h, i] = e
                 total += e
             m_out[t, h], l_out[t, h] = m, total
-    for s in range(s0, s1):                                      # weighted sum of v, one pass over v[s0:s1]
-        for t in range(max(0, s - start), T):
+    for t in range(T):                                           # weighted sum of v
+        n = min(s1, start + t + 1) - s0
+        for first in range(0, n, ROWS_AT_ONCE):
+            rows = min(ROWS_AT_ONCE, n - first)
             for kvh in range(KVH):
                 if written_out:
-                    add_row(acc, t, kvh * G, G, scores, s - s0, v, vs, s, kvh)
-                else:
+                    add_rows(acc, t, kvh * G, G, scores, first, rows, v, vs, s0 + first, kvh)
+                    continue
+                for i in range(first, first + rows):
                     for h in range(kvh * G, (kvh + 1) * G):
-                        add_kv(acc, t, h, scores[t, h, s - s0], v, vs, s, kvh)
+                        add_kv(acc, t, h, scores[t, h, i], v, vs, s0 + i, kvh)
 
 
 @njit(**PARALLEL)
@@ -122,33 +129,35 @@ def paged_decode_attention(q, k_slots, ks, v_slots, vs, block_size, block_tables
 @njit(**SERIAL)
 def _paged_attend_one(q, k, ks, v, vs, BS, table, S, out):
     """One sequence: q [1, H, Dh] against its S cached positions, found through its block table -> out [1, H, Dh].
-    Position s is slot table[s // BS] * BS + s % BS. It walks the blocks in order and reads each slot's K (then
-    V) rows for all KV heads at once: a block is one contiguous [BS, KVH, Dh] run of memory."""
+    Position s is slot table[s // BS] * BS + s % BS. It walks the blocks in order, K then V, a block (one
+    contiguous [BS, KVH, Dh] run of memory) at a time."""
     _, H, Dh = q.shape
     KVH = k.shape[1]
     G = H // KVH
     scale = np.float32(1.0 / np.sqrt(Dh))
     scores = np.empty((1, H, S), dtype=np.float32)               # [1, H, S]
     written_out = fits(k, ks)
-    for s in range(S):                                           # q . k, position s found via the block table
-        slot = table[s // BS] * BS + s % BS
+    for first in range(0, S, BS):                                # q . k, a block of BS slots at a time
+        slot, n = table[first // BS] * BS, min(BS, S - first)
         for kvh in range(KVH):
             if written_out:
-                score_row(q, 0, kvh * G, G, k, ks, slot, kvh, scale, scores, s)
-            else:
+                score_rows(q, 0, kvh * G, G, k, ks, slot, n, kvh, scale, scores, first)
+                continue
+            for i in range(n):
                 for h in range(kvh * G, (kvh + 1) * G):
-                    scores[0, h, s] = dot_kv(q, 0, h, k, ks, slot, kvh) * scale
+                    scores[0, h, first + i] = dot_kv(q, 0, h, k, ks, slot + i, kvh) * scale
     for h in range(H):                                           # softmax over the S positions
         softmax_in_place(scores[0, h])
-    acc_out = np.zeros((1, H, Dh), dtype=np.float32)             # [1, H, Dh] weighted sum of v, stays in L1
-    for s in range(S):
-        slot = table[s // BS] * BS + s % BS
+    acc_out = np.zeros((1, H, Dh), dtype=np.float32)             # [1, H, Dh] weighted sum of v
+    for first in range(0, S, BS):
+        slot, n = table[first // BS] * BS, min(BS, S - first)
         for kvh in range(KVH):
             if written_out:
-                add_row(acc_out, 0, kvh * G, G, scores, s, v, vs, slot, kvh)
-            else:
+                add_rows(acc_out, 0, kvh * G, G, scores, first, n, v, vs, slot, kvh)
+                continue
+            for i in range(n):
                 for h in range(kvh * G, (kvh + 1) * G):
-                    add_kv(acc_out, 0, h, scores[0, h, s], v, vs, slot, kvh)
+                    add_kv(acc_out, 0, h, scores[0, h, first + i], v, vs, slot + i, kvh)
     for h in range(H):
         for j in range(Dh):
             out[0, h, j] = acc_out[0, h, j]

@@ -1,17 +1,21 @@
-"""Decode attention's two inner steps on one cached position, for the G query heads that share its KV head, in
-LLVM IR:
+"""Decode attention's two inner loops, over n cached positions of one KV head for the query heads that share it,
+in LLVM IR:
 
-    score_row(q, t, h0, n, k, ks, s, kvh, scale, scores, i)    scores[t, h, i] = scale * q[t, h] . K[s, kvh]
-    add_row(acc, t, h0, n, p, i, v, vs, s, kvh)                acc[t, h] += p[t, h, i] * V[s, kvh]
-                                                                for the n query heads h = h0 .. h0+n-1
+    score_rows(q, t, h0, G, k, ks, s0, n, kvh, scale, scores, i0)
+        scores[t, h, i0+i] = scale * q[t, h] . K[s0+i, kvh]
+    add_rows(acc, t, h0, G, p, i0, n, v, vs, s0, kvh)
+        acc[t, h] += sum over i of p[t, h, i0+i] * V[s0+i, kvh]
+    for i < n and the G query heads h = h0 .. h0+G-1
 
-The stored row (kv_formats.py: float32, float16 bits, or int8 with a float16 scale per 32 values) is loaded and
-widened to float32 once, 16 values to a vector, and stays in registers for all n heads: the float16 and int8
-conversions are paid once per KV head instead of once per query head. The row is written out without loops: with
-the head size known only at run time, LLVM's loops over it kept their counters, overlap checks and leftover
-iterations, and int8 attention ran 1.5x slower in them than written out (the plain loops, kv_formats.dot_kv and
-add_kv, remain the readable twin and the path for other shapes). Code is generated for head sizes 64 and 128, the
-usual ones; `fits(k, ks)` says whether a cache's rows are one of those (int8 in groups of 32, rows contiguous).
+Each stored row (kv_formats.py: float32, float16 bits, or int8 with a float16 scale per 32 values) is loaded and
+widened to float32 once, 16 values to a vector, for all G query heads, whose q rows (score_rows) or running sums
+(add_rows) stay in registers for the whole pass, up to HEADS_AT_ONCE heads at a time; the rows PREFETCH_ROWS ahead
+are requested from memory as it goes, since the hardware prefetcher alone left the float16 and int8 kernels
+waiting on memory. A row is written out without loops over its values: with the head size known only at run
+time, LLVM's loops kept their counters, overlap checks and leftover iterations, and ran 1.5x slower. Code is
+generated for head sizes 64 and 128, the usual ones; `fits(k, ks)` says whether a cache's rows are one of those
+(int8 in groups of 32, rows contiguous). The plain loops kv_formats.dot_kv and add_kv remain the readable twin and
+the path for every other shape.
 """
 from __future__ import annotations
 
@@ -25,10 +29,12 @@ from .kv_formats import F16C
 HEAD_SIZES = (64, 128)          # the head sizes written out
 LANES = 16                      # float32 values per vector (one AVX-512 register)
 INT8_GROUP = 32                 # values per int8 scale that the code here reads
+PREFETCH_ROWS = 32              # how far ahead of the row it reads a pass asks for rows from memory
+HEADS_AT_ONCE = 4               # query heads whose q rows (or sums) stay in registers through a pass over the rows
 
 
 def fits(k, ks) -> bool:
-    """Whether score_row and add_row read this cache's rows (k [S, KVH, Dh] values, ks its int8 scales or None)."""
+    """Whether score_rows and add_rows read this cache's rows (k [S, KVH, Dh] values, ks its int8 scales or None)."""
     group_ok = ks is None or k.shape[2] // ks.shape[2] == INT8_GROUP
     return k.shape[2] in HEAD_SIZES and group_ok
 
@@ -59,6 +65,14 @@ def _address(builder, array, array_type, indices, element):
 def _load(builder, pointer, offset, vector):
     return builder.load(builder.bitcast(builder.gep(pointer, [ir.Constant(_i64, offset)]), vector.as_pointer()),
                         align=1)
+
+
+def _prefetch(builder, address):
+    """Ask for the cache line at address (i8*) to be read into the cache, for reading; no fault if it is not
+    mapped (the rows past the end of a cache)."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [address.type, _i32, _i32,
+                                                                                        _i32]), "llvm.prefetch.p0")
+    builder.call(fn, [address, ir.Constant(_i32, 0), ir.Constant(_i32, 3), ir.Constant(_i32, 1)])
 
 
 def _splat(builder, x):
@@ -106,6 +120,9 @@ def _row(context, builder, values_type, scales_type, values, scales, s, kvh, hea
     dtype = values_type.dtype
     element = {types.float32: _f32, types.uint16: _i16, types.int8: _i8}[dtype]
     row = _address(builder, v, values_type, [s, kvh], element)
+    ahead = _address(builder, v, values_type, [builder.add(s, ir.Constant(_i64, PREFETCH_ROWS)), kvh], _i8)
+    for line in range(0, head_size * {types.float32: 4, types.uint16: 2, types.int8: 1}[dtype], 64):
+        _prefetch(builder, builder.gep(ahead, [ir.Constant(_i64, line)]))
     pieces = range(head_size // LANES)
     if dtype == types.float32:
         return [_load(builder, row, LANES * p, _V16f32) for p in pieces]
@@ -113,6 +130,8 @@ def _row(context, builder, values_type, scales_type, values, scales, s, kvh, hea
         return [_halves_to_floats(builder, _load(builder, row, LANES * p, _V16i16), f16c) for p in pieces]
     sc = cgutils.create_struct_proxy(scales_type)(context, builder, value=scales)
     scale_row = _address(builder, sc, scales_type, [s, kvh], _i16)
+    _prefetch(builder, _address(builder, sc, scales_type, [builder.add(s, ir.Constant(_i64, PREFETCH_ROWS)), kvh],
+                                _i8))
     group_scales = [_splat(builder, _halves_to_floats(builder, builder.load(builder.gep(
         scale_row, [ir.Constant(_i64, g)])), f16c)) for g in range(head_size // INT8_GROUP)]
     return [builder.fmul(builder.sitofp(_load(builder, row, LANES * p, _V16i8), _V16f32),
@@ -143,65 +162,98 @@ def _indices_as_int64(context, builder, signature, args):
             for a, ty in zip(args, signature.args)]
 
 
+def _head_groups(builder, n_heads, body):
+    """body(first head offset, heads) for the heads in groups of up to HEADS_AT_ONCE, `heads` a Python int (the
+    code for each group size is written out; n_heads is known only at run time)."""
+    at_once = ir.Constant(_i64, HEADS_AT_ONCE)
+    with cgutils.for_range(builder, builder.udiv(builder.add(n_heads, ir.Constant(_i64, HEADS_AT_ONCE - 1)),
+                                                 at_once)) as group:
+        first = builder.mul(group.index, at_once)
+        left = builder.sub(n_heads, first)
+
+        def sizes(m):                                    # if left == m (or, for the largest, >= m) ... else smaller
+            if m == 1:
+                return body(first, 1)
+            with builder.if_else(builder.icmp_unsigned(">=", left, ir.Constant(_i64, m))) as (this, smaller):
+                with this:
+                    body(first, m)
+                with smaller:
+                    sizes(m - 1)
+        sizes(HEADS_AT_ONCE)
+
+
 def _row_intrinsics(f16c: bool):
-    """(score_row, add_row) with float16 widened by F16C or by integer arithmetic."""
+    """(score_rows, add_rows) with float16 widened by F16C or by integer arithmetic."""
     @intrinsic
-    def score_row(typingctx, q, t, h0, n, k, ks, s, kvh, scale, scores, i):
-        sig = types.none(q, t, h0, n, k, ks, s, kvh, scale, scores, i)
+    def score_rows(typingctx, q, t, h0, n_heads, k, ks, s0, n, kvh, scale, scores, i0):
+        sig = types.none(q, t, h0, n_heads, k, ks, s0, n, kvh, scale, scores, i0)
 
         def codegen(context, builder, signature, args):
-            q_, t_, h0_, n_, k_, ks_, s_, kvh_, scale_, scores_, i_ = _indices_as_int64(context, builder, signature,
-                                                                                        args)
+            q_, t_, h0_, heads_, k_, ks_, s0_, n_, kvh_, scale_, scores_, i0_ = _indices_as_int64(
+                context, builder, signature, args)
             qa = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=q_)
-            sa = cgutils.create_struct_proxy(signature.args[9])(context, builder, value=scores_)
-            head_size = builder.extract_value(qa.shape, 2)
+            sa = cgutils.create_struct_proxy(signature.args[10])(context, builder, value=scores_)
 
             def body(size):
-                row = _row(context, builder, signature.args[4], signature.args[5], k_, ks_, s_, kvh_, size, f16c)
-                with cgutils.for_range(builder, n_) as g:
-                    h = builder.add(h0_, g.index)
-                    q_row = _address(builder, qa, signature.args[0], [t_, h], _f32)
-                    products = [builder.fmul(_load(builder, q_row, LANES * p, _V16f32), piece, flags=_FAST)
-                                for p, piece in enumerate(row)]
-                    score = builder.fmul(_lanes_sum(builder, _tree_sum(builder, products)), scale_, flags=_FAST)
-                    builder.store(score, _address(builder, sa, signature.args[9], [t_, h, i_], _f32))
-            _for_each_head_size(builder, head_size, body)
+                def heads(first, m):                             # m query heads, their q rows in registers
+                    hs = [builder.add(builder.add(h0_, first), ir.Constant(_i64, j)) for j in range(m)]
+                    q_rows = [[_load(builder, _address(builder, qa, signature.args[0], [t_, h], _f32), LANES * p,
+                                     _V16f32) for p in range(size // LANES)] for h in hs]
+                    with cgutils.for_range(builder, n_) as i:
+                        row = _row(context, builder, signature.args[4], signature.args[5], k_, ks_,
+                                   builder.add(s0_, i.index), kvh_, size, f16c)
+                        for h, q_row in zip(hs, q_rows):
+                            dot = _lanes_sum(builder, _tree_sum(builder, [
+                                builder.fmul(qp, rp, flags=_FAST) for qp, rp in zip(q_row, row)]))
+                            builder.store(builder.fmul(dot, scale_, flags=_FAST), _address(
+                                builder, sa, signature.args[10], [t_, h, builder.add(i0_, i.index)], _f32))
+                _head_groups(builder, heads_, heads)
+            _for_each_head_size(builder, builder.extract_value(qa.shape, 2), body)
             return context.get_dummy_value()
         return sig, codegen
 
     @intrinsic
-    def add_row(typingctx, acc, t, h0, n, p, i, v, vs, s, kvh):
-        sig = types.none(acc, t, h0, n, p, i, v, vs, s, kvh)
+    def add_rows(typingctx, acc, t, h0, n_heads, p, i0, n, v, vs, s0, kvh):
+        sig = types.none(acc, t, h0, n_heads, p, i0, n, v, vs, s0, kvh)
 
         def codegen(context, builder, signature, args):
-            acc_, t_, h0_, n_, p_, i_, v_, vs_, s_, kvh_ = _indices_as_int64(context, builder, signature, args)
+            acc_, t_, h0_, heads_, p_, i0_, n_, v_, vs_, s0_, kvh_ = _indices_as_int64(context, builder, signature,
+                                                                                       args)
             aa = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=acc_)
             pa = cgutils.create_struct_proxy(signature.args[4])(context, builder, value=p_)
-            head_size = builder.extract_value(aa.shape, 2)
 
             def body(size):
-                row = _row(context, builder, signature.args[6], signature.args[7], v_, vs_, s_, kvh_, size, f16c)
-                with cgutils.for_range(builder, n_) as g:
-                    h = builder.add(h0_, g.index)
-                    weight = _splat(builder, builder.load(_address(builder, pa, signature.args[4], [t_, h, i_],
-                                                                   _f32)))
-                    acc_row = _address(builder, aa, signature.args[0], [t_, h], _f32)
-                    for piece_index, piece in enumerate(row):
-                        where = builder.bitcast(builder.gep(acc_row, [ir.Constant(_i64, LANES * piece_index)]),
-                                                _V16f32.as_pointer())
-                        builder.store(builder.fadd(builder.load(where, align=1),
-                                                   builder.fmul(weight, piece, flags=_FAST), flags=_FAST),
-                                      where, align=1)
-            _for_each_head_size(builder, head_size, body)
+                def heads(first, m):                             # m query heads, their sums in registers
+                    hs = [builder.add(builder.add(h0_, first), ir.Constant(_i64, j)) for j in range(m)]
+                    rows = [builder.bitcast(_address(builder, aa, signature.args[0], [t_, h], _f32),
+                                            _V16f32.as_pointer()) for h in hs]
+                    sums = [[cgutils.alloca_once_value(builder, builder.load(builder.gep(r, [ir.Constant(_i64, p)]),
+                                                                             align=1))
+                             for p in range(size // LANES)] for r in rows]
+                    with cgutils.for_range(builder, n_) as i:
+                        row = _row(context, builder, signature.args[7], signature.args[8], v_, vs_,
+                                   builder.add(s0_, i.index), kvh_, size, f16c)
+                        for h, sum_h in zip(hs, sums):
+                            weight = _splat(builder, builder.load(_address(
+                                builder, pa, signature.args[4], [t_, h, builder.add(i0_, i.index)], _f32)))
+                            for where, piece in zip(sum_h, row):
+                                builder.store(builder.fadd(builder.load(where), builder.fmul(weight, piece,
+                                                                                            flags=_FAST),
+                                                           flags=_FAST), where)
+                    for r, sum_h in zip(rows, sums):
+                        for p, where in enumerate(sum_h):
+                            builder.store(builder.load(where), builder.gep(r, [ir.Constant(_i64, p)]), align=1)
+                _head_groups(builder, heads_, heads)
+            _for_each_head_size(builder, builder.extract_value(aa.shape, 2), body)
             return context.get_dummy_value()
         return sig, codegen
-    return score_row, add_row
+    return score_rows, add_rows
 
 
 if config.DISABLE_JIT:                   # stepping through as Python: the plain loops (fits() is then False)
     def fits(k, ks) -> bool:             # noqa: F811
         return False
-    score_row = add_row = None
+    score_rows = add_rows = None
 else:
-    score_row, add_row = _row_intrinsics(F16C)
+    score_rows, add_rows = _row_intrinsics(F16C)
 
