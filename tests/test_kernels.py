@@ -303,7 +303,7 @@ import importlib
 from tinyllm.kernels.block import BLOCKS
 warmup = importlib.import_module("tinyllm.kernels.warmup")     # (the package exports the function of that name)
 
-blocks = [["q4_1", False, "float32"]]
+blocks = [["q4_1", False, "float32", [64, 3]]]
 helper = warmup._blocks_in_a_second_process(blocks)
 assert helper is not None, "an empty cache: the blocks go to a second process"
 assert helper.wait(timeout=600) == 0

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import tinyllm
-from tinyllm import kernels, ops
+from tinyllm import kernels, kv_cache, ops
 from tinyllm.engine import Engine
 from tinyllm.kv_cache import KV_DTYPES, QuantizedKV, as_float32, int8_group, kv_storage, quantize_int8
 from tinyllm.paged import PagedKVCache
@@ -100,35 +100,31 @@ def test_float16_conversions_without_f16c_give_numpys_bits():
 
 
 @pytest.mark.parametrize("f16c", [True, False])
-@pytest.mark.parametrize("head_dim, H", [(64, 6), (128, 6), (64, 14)])
+@pytest.mark.parametrize("head_dim, H, group", [(64, 6, 32), (128, 6, 32), (64, 14, 32), (48, 6, 16), (40, 4, 40),
+                                                (64, 6, 64)])
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_written_out_rows_equal_the_plain_loops(kv_dtype, head_dim, H, f16c):
-    """kv_rows' score_rows / add_rows (a pass over cached rows, each widened once for the query heads of its KV
-    head, up to 4 at a time in registers; in LLVM IR; float16 by F16C or by integer arithmetic) compute what the
-    plain loops dot_kv / add_kv compute, head by head: 3 and 7 query heads per KV head, passes that start anywhere,
-    sums added to what acc held."""
+def test_rows_in_llvm_ir_equal_the_plain_loops(kv_dtype, head_dim, H, group, f16c, monkeypatch):
+    """kv_rows' score_rows / add_rows in LLVM IR (float16 by F16C or by integer arithmetic) compute what their plain
+    loops compute: head sizes 64 and 128 written out (3 and 7 query heads per KV head), other head sizes and int8
+    groups on the generic path; passes that start anywhere; sums added to what acc held. Code compiled for one
+    shape (head size 64, int8 groups of 32) fills NaN for rows of another: loudly wrong."""
     from numba import njit
     from tinyllm.kernels import kv_formats, kv_rows
     if f16c and not kv_formats.F16C:
         pytest.skip("this CPU has no F16C")
-    score_rows, add_rows = kv_rows._row_intrinsics(f16c)
-    dot_kv, add_kv = kv_formats.dot_kv, kv_formats.add_kv
+    monkeypatch.setattr(kv_cache, "INT8_GROUP", group)
+    fast, plain = kv_rows._row_intrinsics(f16c), (njit(kv_rows.score_rows_reference),
+                                                 njit(kv_rows.add_rows_reference))
 
-    @njit
-    def written_out(q, k, ks, p, scores, acc):               # positions 3.. in two passes: offsets and counts
-        G = q.shape[1] // k.shape[1]
-        for kvh in range(k.shape[1]):
-            for first, n in ((3, 15), (18, k.shape[0] - 18)):
-                score_rows(q, 0, kvh * G, G, k, ks, first, n, kvh, np.float32(0.5), scores, first - 3)
-                add_rows(acc, 0, kvh * G, G, p, first - 3, n, k, ks, first, kvh)
-
-    @njit
-    def plain(q, k, ks, p, scores, acc):
-        G = q.shape[1] // k.shape[1]
-        for s in range(3, k.shape[0]):
-            for h in range(q.shape[1]):
-                scores[0, h, s - 3] = dot_kv(q, 0, h, k, ks, s, h // G) * np.float32(0.5)
-                add_kv(acc, 0, h, p[0, h, s - 3], k, ks, s, h // G)
+    def passes(score_rows, add_rows):
+        @njit
+        def run(q, k, ks, p, scores, acc, rows):             # positions 3.. in two passes
+            G = q.shape[1] // k.shape[1]
+            for kvh in range(k.shape[1]):
+                for first, n in ((3, 15), (18, k.shape[0] - 18)):
+                    score_rows(q, 0, kvh * G, G, k, ks, first, n, kvh, np.float32(0.5), scores, first - 3, rows)
+                    add_rows(acc, 0, kvh * G, G, p, first - 3, n, k, ks, first, kvh, rows)
+        return run
 
     rng = np.random.default_rng(5)
     stored_kv, _ = stored(rng, (40, 2, head_dim), kv_dtype, 3.0)
@@ -136,21 +132,33 @@ def test_written_out_rows_equal_the_plain_loops(kv_dtype, head_dim, H, f16c):
     q = rng.normal(size=(1, H, head_dim)).astype(np.float32)
     p = rng.random((1, H, 37)).astype(np.float32)
     results = []
-    for run in (written_out, plain):
+    for score_rows, add_rows in (fast, plain):
         scores, acc = np.zeros((1, H, 37), np.float32), np.ones((1, H, head_dim), np.float32)
-        run(q, k, ks, p, scores, acc)
+        passes(score_rows, add_rows)(q, k, ks, p, scores, acc, kv_rows.row_shape_of(k, ks, H // 2))
         results.append((scores, acc))
     (got_scores, got_acc), (want_scores, want_acc) = results
     assert np.abs(want_scores).max() > 1.0 and np.abs(want_acc).max() > 1.0       # not a comparison of zeros
     np.testing.assert_allclose(got_scores, want_scores, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(got_acc, want_acc, rtol=1e-5, atol=1e-4)
 
+    @njit
+    def other_shape(q, k, ks, p, scores, acc):              # compiled for head size 64, 2 heads per KV head
+        score_rows(q, 0, 0, 2, k, ks, 0, 5, 0, np.float32(0.5), scores, 0, (0.0, 0.0, 0.0, 0.0, 0, 0))
+        add_rows(acc, 0, 0, 2, p, 0, 5, k, ks, 0, 0, (0.0, 0.0, 0.0, 0.0, 0, 0))
+    score_rows, add_rows = fast
+    scores, acc = np.zeros((1, H, 37), np.float32), np.zeros((1, H, head_dim), np.float32)
+    other_shape(q, k, ks, p, scores, acc)
+    written_out = kv_rows.row_shape_of(k, ks, 2) == (0.0, 0.0, 0.0, 0.0, 0, 0)   # the rows are what it was compiled for
+    assert written_out == (head_dim == 64 and (ks is None or group == 32))
+    assert np.isnan(scores[0, :2, :5]).all() != written_out and np.isnan(acc[0, :2]).all() != written_out
+    assert not np.isnan(scores[0, 2:]).any()                 # only the two heads it was asked for
+
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128, 48])
 def test_decode_attention_on_each_head_size(kv_dtype, head_dim):
     """The decode and paged kernels equal numpy attention for head sizes kv_rows writes out (64, 128) and one it
-    does not (48: the plain loops), on every stored format."""
+    does not (48: its generic path), on every stored format."""
     rng = np.random.default_rng(11)
     H, KVH, T, start = 6, 2, 3, 70
     q = rng.normal(size=(T, H, head_dim)).astype(np.float32)

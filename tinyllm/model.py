@@ -107,8 +107,9 @@ class Transformer:
         KV cache of kv_dtype need, so that no step pays for it (a no-op for what is warm already)."""
         if self._backend == "numba":
             blocks = {type(w) for layer in self.layers for w in (layer.wqkv, layer.wo, layer.w_in, layer.w_out)}
+            heads = (self.config.head_dim, self.config.n_heads // self.config.n_kv_heads)    # what attention compiles for
             self.jit_s += self.ops.warmup(blocks, {type(self.lm_head)}, self._int8_inputs, self._has_fusable_blocks,
-                                          kv_dtype)
+                                          kv_dtype, heads)
 
     @property
     def activations(self) -> str:

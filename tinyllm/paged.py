@@ -280,7 +280,7 @@ class PagedKVCache:
         self.block_size, self.num_blocks, self.max_positions = block_size, num_blocks, config.context_length
         self._next_id = 0
         from .kernels import warmup_paged
-        warmup_paged(self.kv_dtype)            # compile the batched kernel now, not in the middle of a request
+        warmup_paged(self.kv_dtype, (Dh, config.n_heads // KVH))   # compile the batched kernel now, not mid-request
 
     @property
     def bytes_per_token(self) -> int:

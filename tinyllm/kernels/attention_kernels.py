@@ -5,17 +5,16 @@ Grouped-query attention throughout: query head h reads KV head h // G, so a K/V 
 heads of its group (and every query token of the call) from L1; K and V are never copied or repeated.
 
 K and V arrive in the cache's stored format as (values, scales) pairs (kv_formats.py: float32, float16 bits, or
-int8 with a scale per 32 values) and no dequantized copy of the cache is made. For head sizes 64 and 128,
-kv_rows.py's `score_row` and `add_row` widen a stored row once and use it for the G query heads of its KV head;
-for other shapes `dot_kv` and `add_kv` (kv_formats.py) read it head by head, in plain loops.
+int8 with a scale per 32 values) and no dequantized copy of the cache is made: kv_rows.py's `score_rows` and
+`add_rows` (q . k and the weighted sum of v over a run of cached rows) widen each stored row once for the G query
+heads of its KV head.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
-from .kv_formats import add_kv, dot_kv
-from .kv_rows import add_rows, fits, score_rows
+from .kv_rows import add_rows, score_rows
 from .numerics import PARALLEL, SERIAL, exp32, softmax_in_place
 
 ATTN_CHUNK = 64   # fewest cache positions per task in decode attention
@@ -24,10 +23,11 @@ ROWS_AT_ONCE = 16  # cached positions per pass of kv_rows: their rows for every 
 
 
 @njit(**PARALLEL)
-def decode_attention(q, k, ks, v, vs, start, out):
+def decode_attention(q, k, ks, v, vs, start, out, shape):
     """q [T, H, Dh]: T new tokens (1 in a decode step, k+1 in a speculative verification) at positions start ..
     start+T-1; k, v [S, KVH, Dh] (the cache incl. these tokens, S = start + T) with their scales ks, vs (None for
-    float formats) -> out [T, H, Dh]. Causal: token t sees positions 0 .. start+t.
+    float formats) -> out [T, H, Dh]. Causal: token t sees positions 0 .. start+t. shape: kv_rows.row_shape
+    of the cache.
 
     Split over positions ("flash-decoding", Dao et al. 2023), so both cores work even with 3 KV heads: each task
     takes a chunk of positions (ATTN_CHUNK, or S / ATTN_TASKS when that is more) and computes, per query token and
@@ -44,7 +44,7 @@ def decode_attention(q, k, ks, v, vs, start, out):
     chunk_out = np.empty((n_chunks, T, H, Dh), dtype=np.float32)
     for c in prange(n_chunks):
         _attend_chunk(q, k, ks, v, vs, start, c * chunk, min(S, (c + 1) * chunk), chunk_max[c],
-                      chunk_sum[c], chunk_out[c])
+                      chunk_sum[c], chunk_out[c], shape)
     for t in range(T):                                           # merge the chunks of each token and head
         for h in range(H):
             m = chunk_max[0, t, h]
@@ -64,7 +64,7 @@ def decode_attention(q, k, ks, v, vs, start, out):
 
 
 @njit(**SERIAL)
-def _attend_chunk(q, k, ks, v, vs, start, s0, s1, m_out, l_out, acc):
+def _attend_chunk(q, k, ks, v, vs, start, s0, s1, m_out, l_out, acc, shape):
     """decode_attention's task: the T tokens of q against positions s0 .. s1-1 -> per token and head the max m_out
     [T, H] and sum l_out [T, H] of the exponentiated scores, and acc [T, H, Dh] their weighted sum of v rows.
     (A function of its own, so that the parallel loop stays small: Numba compiles a large one slowly.)"""
@@ -73,18 +73,12 @@ def _attend_chunk(q, k, ks, v, vs, start, s0, s1, m_out, l_out, acc):
     G = H // KVH
     scale = np.float32(1.0 / np.sqrt(Dh))
     scores = np.empty((T, H, s1 - s0), dtype=np.float32)
-    written_out = fits(k, ks)                                    # a head size kv_rows.py has code for
     for t in range(T):                                           # q . k
         n = min(s1, start + t + 1) - s0                          # how many of the positions token t sees
         for first in range(0, n, ROWS_AT_ONCE):                  # a few rows at a time: read from memory once
             rows = min(ROWS_AT_ONCE, n - first)
             for kvh in range(KVH):                               # its G query heads kvh*G .. kvh*G+G-1
-                if written_out:
-                    score_rows(q, t, kvh * G, G, k, ks, s0 + first, rows, kvh, scale, scores, first)
-                    continue
-                for i in range(first, first + rows):
-                    for h in range(kvh * G, (kvh + 1) * G):
-                        scores[t, h, i] = dot_kv(q, t, h, k, ks, s0 + i, kvh) * scale
+                score_rows(q, t, kvh * G, G, k, ks, s0 + first, rows, kvh, scale, scores, first, shape)
     for t in range(T):                                           # this chunk's softmax statistics
         n = min(s1, start + t + 1) - s0
         for h in range(H):
@@ -107,27 +101,22 @@ def _attend_chunk(q, k, ks, v, vs, start, s0, s1, m_out, l_out, acc):
         for first in range(0, n, ROWS_AT_ONCE):
             rows = min(ROWS_AT_ONCE, n - first)
             for kvh in range(KVH):
-                if written_out:
-                    add_rows(acc, t, kvh * G, G, scores, first, rows, v, vs, s0 + first, kvh)
-                    continue
-                for i in range(first, first + rows):
-                    for h in range(kvh * G, (kvh + 1) * G):
-                        add_kv(acc, t, h, scores[t, h, i], v, vs, s0 + i, kvh)
+                add_rows(acc, t, kvh * G, G, scores, first, rows, v, vs, s0 + first, kvh, shape)
 
 
 @njit(**PARALLEL)
-def paged_decode_attention(q, k_slots, ks, v_slots, vs, block_size, block_tables, context_lens, out):
+def paged_decode_attention(q, k_slots, ks, v_slots, vs, block_size, block_tables, context_lens, out, shape):
     """PagedAttention (Kwon et al. 2023) for a batch of one-token queries: q [B, H, Dh]; k_slots, v_slots
     [NB*BS, KVH, Dh] (one layer of the pool, its blocks end to end) with their scales ks, vs (None for float
     formats); block_tables [B, max blocks] int32; context_lens [B] int32 -> out [B, H, Dh]. One task per
-    sequence; no history is gathered into a copy."""
+    sequence; no history is gathered into a copy. shape: kv_rows.row_shape of the cache."""
     for b in prange(q.shape[0]):
         _paged_attend_one(q[b:b + 1], k_slots, ks, v_slots, vs, block_size, block_tables[b], context_lens[b],
-                          out[b:b + 1])
+                          out[b:b + 1], shape)
 
 
 @njit(**SERIAL)
-def _paged_attend_one(q, k, ks, v, vs, BS, table, S, out):
+def _paged_attend_one(q, k, ks, v, vs, BS, table, S, out, shape):
     """One sequence: q [1, H, Dh] against its S cached positions, found through its block table -> out [1, H, Dh].
     Position s is slot table[s // BS] * BS + s % BS. It walks the blocks in order, K then V, a block (one
     contiguous [BS, KVH, Dh] run of memory) at a time."""
@@ -136,28 +125,17 @@ def _paged_attend_one(q, k, ks, v, vs, BS, table, S, out):
     G = H // KVH
     scale = np.float32(1.0 / np.sqrt(Dh))
     scores = np.empty((1, H, S), dtype=np.float32)               # [1, H, S]
-    written_out = fits(k, ks)
     for first in range(0, S, BS):                                # q . k, a block of BS slots at a time
         slot, n = table[first // BS] * BS, min(BS, S - first)
         for kvh in range(KVH):
-            if written_out:
-                score_rows(q, 0, kvh * G, G, k, ks, slot, n, kvh, scale, scores, first)
-                continue
-            for i in range(n):
-                for h in range(kvh * G, (kvh + 1) * G):
-                    scores[0, h, first + i] = dot_kv(q, 0, h, k, ks, slot + i, kvh) * scale
+            score_rows(q, 0, kvh * G, G, k, ks, slot, n, kvh, scale, scores, first, shape)
     for h in range(H):                                           # softmax over the S positions
         softmax_in_place(scores[0, h])
     acc_out = np.zeros((1, H, Dh), dtype=np.float32)             # [1, H, Dh] weighted sum of v
     for first in range(0, S, BS):
         slot, n = table[first // BS] * BS, min(BS, S - first)
         for kvh in range(KVH):
-            if written_out:
-                add_rows(acc_out, 0, kvh * G, G, scores, first, n, v, vs, slot, kvh)
-                continue
-            for i in range(n):
-                for h in range(kvh * G, (kvh + 1) * G):
-                    add_kv(acc_out, 0, h, scores[0, h, first + i], v, vs, slot + i, kvh)
+            add_rows(acc_out, 0, kvh * G, G, scores, first, n, v, vs, slot, kvh, shape)
     for h in range(H):
         for j in range(Dh):
             out[0, h, j] = acc_out[0, h, j]

@@ -14,6 +14,7 @@ from . import intdot
 from .attention_kernels import decode_attention
 from .dispatch import linear_into
 from .kv_formats import first_rows, kernel_operands, store_row
+from .kv_rows import row_shape_of
 from .linear_kernels import weight_arrays
 from .numerics import SERIAL
 from .pointwise import rmsnorm_into, swiglu_into, swiglu_rows_into
@@ -28,7 +29,8 @@ def decode_block(x, layer, k_cache, v_cache, start: int, cos, sin, n_heads: int,
     (k_cache, k_scales), (v_cache, v_scales) = kernel_operands(k_cache), kernel_operands(v_cache)
     BLOCKS[int8_inputs](x, layer.attn_norm, layer.ffn_norm, weight_arrays(layer.wqkv), weight_arrays(layer.wo),
                         weight_arrays(layer.w_in), weight_arrays(layer.w_out), intdot.USE_VNNI,
-                        k_cache, k_scales, v_cache, v_scales, start, cos, sin, n_heads, eps)
+                        k_cache, k_scales, v_cache, v_scales, start, cos, sin, n_heads, eps,
+                        row_shape_of(k_cache, k_scales, n_heads // k_cache.shape[1]))
 
 
 def _compile_block(int8_inputs: bool):
@@ -36,7 +38,7 @@ def _compile_block(int8_inputs: bool):
     compile only that setting's kernels (a first run then compiles only what it uses)."""
     @njit(**SERIAL)
     def block(x, attn_norm, ffn_norm, wqkv, wo, w_in, w_out, vnni, k_cache, k_scales, v_cache, v_scales, pos, cos,
-                  sin, n_heads, eps):
+                  sin, n_heads, eps, kv_shape):
         T, D = x.shape
         KVH, Dh = k_cache.shape[1], k_cache.shape[2]
         H, half = n_heads, Dh // 2
@@ -64,7 +66,8 @@ def _compile_block(int8_inputs: bool):
                 store_row(v_cache, v_scales, pos + t, kvh, qkv[t, (H + KVH + kvh) * Dh:(H + KVH + kvh + 1) * Dh])
         att = np.empty((T, H, Dh), np.float32)                      # [T, H, Dh]
         S = pos + T
-        decode_attention(q, k_cache[:S], first_rows(k_scales, S), v_cache[:S], first_rows(v_scales, S), pos, att)
+        decode_attention(q, k_cache[:S], first_rows(k_scales, S), v_cache[:S], first_rows(v_scales, S), pos, att,
+                         kv_shape)
         linear_into(wo, att.reshape(T, H * Dh), delta, int8_inputs, vnni)
         for t in range(T):
             for i in range(D):

@@ -22,6 +22,7 @@ from .. import ops
 from . import blas, intdot
 from .attention_kernels import decode_attention, paged_decode_attention
 from .kv_formats import kernel_operands
+from .kv_rows import row_shape_of
 from .linear_kernels import (TILE_MIN_ROWS, linear_int8_a8, linear_q4, linear_q4_a8, linear_rows, linear_tiled,
                              round_rows, weight_arrays)
 from .pointwise import swiglu_into, swiglu_rows_into
@@ -94,7 +95,10 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
     (k, ks), (v, vs) = kernel_operands(k), kernel_operands(v)                # values [S, KVH, Dh], scales or None
     # contiguous operands, one compiled version per kernel (without a cache v is a strided view of the qkv rows)
     q, k, v = np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v)
-    (decode_attention if T <= FEW_TOKENS else tiled_causal_attention)(q, k, ks, v, vs, start, out)
+    if T <= FEW_TOKENS:
+        decode_attention(q, k, ks, v, vs, start, out, row_shape_of(k, ks, H // k.shape[1]))
+    else:
+        tiled_causal_attention(q, k, ks, v, vs, start, out)
     return out.reshape(T, H * Dh)
 
 
@@ -107,7 +111,7 @@ def paged_attention(q, k_blocks, v_blocks, block_tables, context_lens) -> np.nda
     (k, ks), (v, vs) = (kernel_operands(kv.reshape(NB * BS, KVH, Dh)) for kv in (k_blocks, v_blocks))
     paged_decode_attention(np.ascontiguousarray(q, dtype=np.float32), k, ks, v, vs, BS,
                            np.ascontiguousarray(block_tables, dtype=np.int32),
-                           np.ascontiguousarray(context_lens, dtype=np.int32), out)
+                           np.ascontiguousarray(context_lens, dtype=np.int32), out, row_shape_of(k, ks, H // KVH))
     return out.reshape(B, H * Dh)
 
 

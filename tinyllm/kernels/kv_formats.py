@@ -107,55 +107,10 @@ def widen(x):
     return np.float32(x)
 
 
-def dot_kv(q, t, h, k, ks, s, kvh):
-    """q[t, h] . the stored K row of position s, KV head kvh (q [T, H, Dh]; k [S, KVH, Dh]) -> float32."""
-    return (_dot_float if ks is None else _dot_int8)(q, t, h, k, ks, s, kvh)
-
-
-def add_kv(acc, t, h, p, v, vs, s, kvh):
-    """acc[t, h] += p * the stored V row of position s, KV head kvh (acc [T, H, Dh]; v [S, KVH, Dh])."""
-    (_add_float if vs is None else _add_int8)(acc, t, h, p, v, vs, s, kvh)
-
-
 def kv_value(k, ks, s, kvh, j):
     """The stored value k[s, kvh, j] as float32 (an int8 value times its group's scale)."""
     x = widen(k[s, kvh, j])
     return x if ks is None else x * widen(ks[s, kvh, j // (k.shape[2] // ks.shape[2])])
-
-
-def _dot_float(q, t, h, k, ks, s, kvh):
-    a = np.float32(0.0)
-    for j in range(q.shape[2]):
-        a += q[t, h, j] * widen(k[s, kvh, j])
-    return a
-
-
-def _add_float(acc, t, h, p, v, vs, s, kvh):
-    for j in range(acc.shape[2]):
-        acc[t, h, j] += p * widen(v[s, kvh, j])
-
-
-# int8: per group of values, the int8 values in float arithmetic and the group's scale applied once. The loops run
-# from 0 over slices: with bounds like g * group .. (g + 1) * group LLVM leaves them scalar (several times slower).
-def _dot_int8(q, t, h, k, ks, s, kvh):
-    group = q.shape[2] // ks.shape[2]
-    a = np.float32(0.0)
-    for g in range(ks.shape[2]):
-        q_part, k_part = q[t, h, g * group:(g + 1) * group], k[s, kvh, g * group:(g + 1) * group]   # [group]
-        part = np.float32(0.0)
-        for j in range(group):
-            part += q_part[j] * np.float32(k_part[j])
-        a += part * widen(ks[s, kvh, g])
-    return a
-
-
-def _add_int8(acc, t, h, p, v, vs, s, kvh):
-    group = acc.shape[2] // vs.shape[2]
-    for g in range(vs.shape[2]):
-        pd = p * widen(vs[s, kvh, g])
-        acc_part, v_part = acc[t, h, g * group:(g + 1) * group], v[s, kvh, g * group:(g + 1) * group]  # [group]
-        for j in range(group):
-            acc_part[j] += pd * np.float32(v_part[j])
 
 
 def half_bits(x):
@@ -187,16 +142,6 @@ def _kv_value_typed(k, ks, s, kvh, j):
     if isinstance(ks, types.NoneType):
         return lambda k, ks, s, kvh, j: widen(k[s, kvh, j])
     return lambda k, ks, s, kvh, j: np.float32(k[s, kvh, j]) * widen(ks[s, kvh, j // (k.shape[2] // ks.shape[2])])
-
-
-@overload(dot_kv, inline="always")
-def _dot_kv_typed(q, t, h, k, ks, s, kvh):
-    return _dot_float if isinstance(ks, types.NoneType) else _dot_int8
-
-
-@overload(add_kv, inline="always")
-def _add_kv_typed(acc, t, h, p, v, vs, s, kvh):
-    return _add_float if isinstance(vs, types.NoneType) else _add_int8
 
 
 @overload(half_bits, inline="always")

@@ -1,5 +1,4 @@
-"""Decode attention's two inner loops, over n cached positions of one KV head for the query heads that share it,
-in LLVM IR:
+"""Decode attention's two inner loops, over n cached positions of one KV head for the query heads that share it:
 
     score_rows(q, t, h0, G, k, ks, s0, n, kvh, scale, scores, i0)
         scores[t, h, i0+i] = scale * q[t, h] . K[s0+i, kvh]
@@ -7,45 +6,37 @@ in LLVM IR:
         acc[t, h] += sum over i of p[t, h, i0+i] * V[s0+i, kvh]
     for i < n and the G query heads h = h0 .. h0+G-1
 
-Each stored row (kv_formats.py: float32, float16 bits, or int8 with a float16 scale per 32 values) is loaded and
-widened to float32 once, 16 values to a vector, for all G query heads, whose q rows (score_rows) or running sums
-(add_rows) stay in registers for the whole pass, up to HEADS_AT_ONCE heads at a time; the rows PREFETCH_ROWS ahead
-are requested from memory as it goes, since the hardware prefetcher alone left the float16 and int8 kernels
-waiting on memory. A row is written out without loops over its values: with the head size known only at run
-time, LLVM's loops kept their counters, overlap checks and leftover iterations, and ran 1.5x slower. Code is
-generated for head sizes 64 and 128, the usual ones; `fits(k, ks)` says whether a cache's rows are one of those
-(int8 in groups of 32, rows contiguous). The plain loops kv_formats.dot_kv and add_kv remain the readable twin and
-the path for every other shape.
+K and V are in their stored format (kv_formats.py: float32, float16 bits, or int8 with a float16 scale per group of
+values). `score_rows_reference` and `add_rows_reference` below are the plain loops: the readable version, what runs
+with NUMBA_DISABLE_JIT=1, and what the tests hold the fast one to.
+
+The fast one is LLVM IR. Each stored row is loaded and widened to float32 once, 16 values to a vector, for all G
+query heads, whose q rows (score_rows) or running sums (add_rows) stay in registers for the whole pass, up to
+VECTORS_AT_ONCE vectors of them at a time; the rows PREFETCH_ROWS ahead are requested from memory as it goes, since the
+hardware prefetcher alone left the float16 and int8 kernels waiting on memory. A row is written out without loops
+over its values: with the head size known only at run time, LLVM's loops kept their counters, overlap checks and
+leftover iterations, and ran 1.5x slower. This is generated for head sizes 64 and 128 (int8 in groups of 32), the
+usual ones; any other shape takes a generic path of plain loops in the same IR. The last argument, `shape`, tells
+the compiler which: a tuple from `row_shape` whose type (Numba types a tuple by its elements) carries the head size
+and the query heads per KV head, so that exactly one written-out body is compiled for a model (its first start
+compiled seconds of code it never ran before), or () for the generic path. Rows that turn out not to match it at
+run time get NaN scores and sums: loudly wrong, never silently.
 """
 from __future__ import annotations
 
+import numpy as np
 from llvmlite import ir
 from numba import config, types
 from numba.core import cgutils
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic
 
-from .kv_formats import F16C
+from .kv_formats import F16C, kv_value
 
 HEAD_SIZES = (64, 128)          # the head sizes written out
 LANES = 16                      # float32 values per vector (one AVX-512 register)
 INT8_GROUP = 32                 # values per int8 scale that the code here reads
 PREFETCH_ROWS = 32              # how far ahead of the row it reads a pass asks for rows from memory
-HEADS_AT_ONCE = 4               # query heads whose q rows (or sums) stay in registers through a pass over the rows
-
-
-def fits(k, ks) -> bool:
-    """Whether score_rows and add_rows read this cache's rows (k [S, KVH, Dh] values, ks its int8 scales or None)."""
-    group_ok = ks is None or k.shape[2] // ks.shape[2] == INT8_GROUP
-    return k.shape[2] in HEAD_SIZES and group_ok
-
-
-@overload(fits, inline="always")
-def _fits_typed(k, ks):
-    if k.layout != "C" or not (isinstance(ks, types.NoneType) or ks.layout == "C"):
-        return lambda k, ks: False                       # strided rows: the plain loops
-    if isinstance(ks, types.NoneType):
-        return lambda k, ks: k.shape[2] == 64 or k.shape[2] == 128
-    return lambda k, ks: (k.shape[2] == 64 or k.shape[2] == 128) and k.shape[2] // ks.shape[2] == 32
+VECTORS_AT_ONCE = 16            # q rows (or sums) of a pass's query heads kept in registers, in 16-value vectors
 
 
 _i8, _i16, _i32, _i64, _f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -138,14 +129,55 @@ def _row(context, builder, values_type, scales_type, values, scales, s, kvh, hea
                          group_scales[p * LANES // INT8_GROUP], flags=_FAST) for p in pieces]
 
 
-def _for_each_head_size(builder, head_size_value, body):
-    """body(head size) in the branch where the run-time head size is that one (fits() excludes every other)."""
-    with builder.if_else(builder.icmp_unsigned("==", head_size_value,
-                                               ir.Constant(head_size_value.type, HEAD_SIZES[0]))) as (small, large):
-        with small:
-            body(HEAD_SIZES[0])
-        with large:
-            body(HEAD_SIZES[1])
+def row_shape(head_size: int, heads_per_kv: int, int8_group: int | None) -> tuple:
+    """The kernels' `shape` argument for heads of head_size values, heads_per_kv query heads per KV head and int8
+    groups of int8_group values (None: a float format): (0.0,) * (head_size / 16) + (0,) * heads_per_kv for the
+    written-out head sizes, () for the generic path. Only its type matters (how many floats, how many ints); it is
+    one flat tuple because Numba's parallel loops do not pass nested ones on."""
+    if head_size not in HEAD_SIZES or int8_group not in (None, INT8_GROUP):
+        return ()
+    return (0.0,) * (head_size // LANES) + (0,) * heads_per_kv
+
+
+def row_shape_of(k, ks, heads_per_kv: int) -> tuple:
+    """row_shape for cached values k [..., Dh] with int8 scales ks (None for a float format)."""
+    if not k.flags.c_contiguous:
+        return ()
+    return row_shape(k.shape[-1], heads_per_kv, None if ks is None else k.shape[-1] // ks.shape[-1])
+
+
+def _written_out_or_generic(builder, signature, scales_type, scales, head_size, written, generic, loudly_wrong):
+    """written(head size, heads per KV head) for the shape the last argument (`shape`) describes, if the run-time
+    head size (and int8 groups) match it, else loudly_wrong(); generic() where `shape` is ()."""
+    shape = signature.args[-1]
+    arrays = [a for a in signature.args if isinstance(a, types.Array)]
+    if len(shape) == 0 or any(a.layout != "C" for a in arrays):      # decided when compiling
+        return generic()
+    size = LANES * sum(isinstance(ty, types.Float) for ty in shape.types)
+    heads = len(shape) - size // LANES
+    match = builder.icmp_unsigned("==", head_size, ir.Constant(_i64, size))
+    if not isinstance(scales_type, types.NoneType):                  # int8: groups of INT8_GROUP values too
+        match = builder.and_(match, builder.icmp_unsigned("==", builder.extract_value(scales.shape, 2),
+                                                           ir.Constant(_i64, size // INT8_GROUP)))
+    with builder.if_else(match, likely=True) as (yes, no):
+        with yes:
+            written(size, heads)
+        with no:
+            loudly_wrong()
+
+
+def _value(context, builder, values_type, scales_type, v, sc, s, kvh, j, f16c):
+    """The generic path's one stored value [s, kvh, j] as float32 (an int8 value times its group's scale)."""
+    dtype = values_type.dtype
+    element = {types.float32: _f32, types.uint16: _i16, types.int8: _i8}[dtype]
+    x = builder.load(_address(builder, v, values_type, [s, kvh, j], element))
+    if dtype == types.float32:
+        return x
+    if dtype == types.uint16:
+        return _halves_to_floats(builder, x, f16c)
+    group = builder.udiv(builder.extract_value(v.shape, 2), builder.extract_value(sc.shape, 2))
+    scale = builder.load(_address(builder, sc, scales_type, [s, kvh, builder.udiv(j, group)], _i16))
+    return builder.fmul(builder.sitofp(x, _f32), _halves_to_floats(builder, scale, f16c), flags=_FAST)
 
 
 def _tree_sum(builder, vectors):
@@ -162,39 +194,27 @@ def _indices_as_int64(context, builder, signature, args):
             for a, ty in zip(args, signature.args)]
 
 
-def _head_groups(builder, n_heads, body):
-    """body(first head offset, heads) for the heads in groups of up to HEADS_AT_ONCE, `heads` a Python int (the
-    code for each group size is written out; n_heads is known only at run time)."""
-    at_once = ir.Constant(_i64, HEADS_AT_ONCE)
-    with cgutils.for_range(builder, builder.udiv(builder.add(n_heads, ir.Constant(_i64, HEADS_AT_ONCE - 1)),
-                                                 at_once)) as group:
-        first = builder.mul(group.index, at_once)
-        left = builder.sub(n_heads, first)
-
-        def sizes(m):                                    # if left == m (or, for the largest, >= m) ... else smaller
-            if m == 1:
-                return body(first, 1)
-            with builder.if_else(builder.icmp_unsigned(">=", left, ir.Constant(_i64, m))) as (this, smaller):
-                with this:
-                    body(first, m)
-                with smaller:
-                    sizes(m - 1)
-        sizes(HEADS_AT_ONCE)
+def _head_groups(heads: int, head_size: int, body):
+    """body(first head offset, count) for the heads of a KV head in groups of up to VECTORS_AT_ONCE / (head_size /
+    16) (4 heads of 64 values, 2 of 128): each group's q rows or sums stay in registers."""
+    most = max(1, VECTORS_AT_ONCE * LANES // head_size)
+    for first in range(0, heads, most):
+        body(ir.Constant(_i64, first), min(most, heads - first))
 
 
 def _row_intrinsics(f16c: bool):
     """(score_rows, add_rows) with float16 widened by F16C or by integer arithmetic."""
     @intrinsic
-    def score_rows(typingctx, q, t, h0, n_heads, k, ks, s0, n, kvh, scale, scores, i0):
-        sig = types.none(q, t, h0, n_heads, k, ks, s0, n, kvh, scale, scores, i0)
+    def score_rows(typingctx, q, t, h0, n_heads, k, ks, s0, n, kvh, scale, scores, i0, shape):
+        sig = types.none(q, t, h0, n_heads, k, ks, s0, n, kvh, scale, scores, i0, shape)
 
         def codegen(context, builder, signature, args):
-            q_, t_, h0_, heads_, k_, ks_, s0_, n_, kvh_, scale_, scores_, i0_ = _indices_as_int64(
+            q_, t_, h0_, heads_, k_, ks_, s0_, n_, kvh_, scale_, scores_, i0_, _ = _indices_as_int64(
                 context, builder, signature, args)
             qa = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=q_)
             sa = cgutils.create_struct_proxy(signature.args[10])(context, builder, value=scores_)
 
-            def body(size):
+            def body(size, heads_per_kv):
                 def heads(first, m):                             # m query heads, their q rows in registers
                     hs = [builder.add(builder.add(h0_, first), ir.Constant(_i64, j)) for j in range(m)]
                     q_rows = [[_load(builder, _address(builder, qa, signature.args[0], [t_, h], _f32), LANES * p,
@@ -207,29 +227,51 @@ def _row_intrinsics(f16c: bool):
                                 builder.fmul(qp, rp, flags=_FAST) for qp, rp in zip(q_row, row)]))
                             builder.store(builder.fmul(dot, scale_, flags=_FAST), _address(
                                 builder, sa, signature.args[10], [t_, h, builder.add(i0_, i.index)], _f32))
-                _head_groups(builder, heads_, heads)
-            _for_each_head_size(builder, builder.extract_value(qa.shape, 2), body)
+                _head_groups(heads_per_kv, size, heads)
+            ka = cgutils.create_struct_proxy(signature.args[4])(context, builder, value=k_)
+            ksa = _scales(context, builder, signature.args[5], ks_)
+            head_size = builder.extract_value(qa.shape, 2)
+
+            def generic():
+                with cgutils.for_range(builder, heads_) as g, cgutils.for_range(builder, n_) as i:
+                    h, s = builder.add(h0_, g.index), builder.add(s0_, i.index)
+                    total = cgutils.alloca_once_value(builder, ir.Constant(_f32, 0.0))
+                    with cgutils.for_range(builder, head_size) as j:
+                        x = _value(context, builder, signature.args[4], signature.args[5], ka, ksa, s, kvh_,
+                                   j.index, f16c)
+                        qj = builder.load(_address(builder, qa, signature.args[0], [t_, h, j.index], _f32))
+                        builder.store(builder.fadd(builder.load(total), builder.fmul(qj, x, flags=_FAST),
+                                                   flags=_FAST), total)
+                    builder.store(builder.fmul(builder.load(total), scale_, flags=_FAST), _address(
+                        builder, sa, signature.args[10], [t_, h, builder.add(i0_, i.index)], _f32))
+            def loudly_wrong():
+                with cgutils.for_range(builder, heads_) as g, cgutils.for_range(builder, n_) as i:
+                    builder.store(ir.Constant(_f32, float("nan")), _address(
+                        builder, sa, signature.args[10], [t_, builder.add(h0_, g.index), builder.add(i0_, i.index)],
+                        _f32))
+            _written_out_or_generic(builder, signature, signature.args[5], ksa, head_size, body, generic,
+                                    loudly_wrong)
             return context.get_dummy_value()
         return sig, codegen
 
     @intrinsic
-    def add_rows(typingctx, acc, t, h0, n_heads, p, i0, n, v, vs, s0, kvh):
-        sig = types.none(acc, t, h0, n_heads, p, i0, n, v, vs, s0, kvh)
+    def add_rows(typingctx, acc, t, h0, n_heads, p, i0, n, v, vs, s0, kvh, shape):
+        sig = types.none(acc, t, h0, n_heads, p, i0, n, v, vs, s0, kvh, shape)
 
         def codegen(context, builder, signature, args):
-            acc_, t_, h0_, heads_, p_, i0_, n_, v_, vs_, s0_, kvh_ = _indices_as_int64(context, builder, signature,
-                                                                                       args)
+            acc_, t_, h0_, heads_, p_, i0_, n_, v_, vs_, s0_, kvh_, _ = _indices_as_int64(context, builder,
+                                                                                          signature, args)
             aa = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=acc_)
             pa = cgutils.create_struct_proxy(signature.args[4])(context, builder, value=p_)
 
-            def body(size):
+            def body(size, heads_per_kv):
                 def heads(first, m):                             # m query heads, their sums in registers
                     hs = [builder.add(builder.add(h0_, first), ir.Constant(_i64, j)) for j in range(m)]
-                    rows = [builder.bitcast(_address(builder, aa, signature.args[0], [t_, h], _f32),
-                                            _V16f32.as_pointer()) for h in hs]
+                    acc_rows = [builder.bitcast(_address(builder, aa, signature.args[0], [t_, h], _f32),
+                                                _V16f32.as_pointer()) for h in hs]
                     sums = [[cgutils.alloca_once_value(builder, builder.load(builder.gep(r, [ir.Constant(_i64, p)]),
                                                                              align=1))
-                             for p in range(size // LANES)] for r in rows]
+                             for p in range(size // LANES)] for r in acc_rows]
                     with cgutils.for_range(builder, n_) as i:
                         row = _row(context, builder, signature.args[7], signature.args[8], v_, vs_,
                                    builder.add(s0_, i.index), kvh_, size, f16c)
@@ -240,20 +282,62 @@ def _row_intrinsics(f16c: bool):
                                 builder.store(builder.fadd(builder.load(where), builder.fmul(weight, piece,
                                                                                             flags=_FAST),
                                                            flags=_FAST), where)
-                    for r, sum_h in zip(rows, sums):
+                    for r, sum_h in zip(acc_rows, sums):
                         for p, where in enumerate(sum_h):
                             builder.store(builder.load(where), builder.gep(r, [ir.Constant(_i64, p)]), align=1)
-                _head_groups(builder, heads_, heads)
-            _for_each_head_size(builder, builder.extract_value(aa.shape, 2), body)
+                _head_groups(heads_per_kv, size, heads)
+            va = cgutils.create_struct_proxy(signature.args[7])(context, builder, value=v_)
+            vsa = _scales(context, builder, signature.args[8], vs_)
+            head_size = builder.extract_value(aa.shape, 2)
+
+            def generic():
+                with cgutils.for_range(builder, heads_) as g, cgutils.for_range(builder, n_) as i:
+                    h, s = builder.add(h0_, g.index), builder.add(s0_, i.index)
+                    weight = builder.load(_address(builder, pa, signature.args[4], [t_, h, builder.add(i0_, i.index)],
+                                                   _f32))
+                    with cgutils.for_range(builder, head_size) as j:
+                        x = _value(context, builder, signature.args[7], signature.args[8], va, vsa, s, kvh_,
+                                   j.index, f16c)
+                        where = _address(builder, aa, signature.args[0], [t_, h, j.index], _f32)
+                        builder.store(builder.fadd(builder.load(where), builder.fmul(weight, x, flags=_FAST),
+                                                   flags=_FAST), where)
+            def loudly_wrong():
+                with cgutils.for_range(builder, heads_) as g, cgutils.for_range(builder, head_size) as j:
+                    builder.store(ir.Constant(_f32, float("nan")), _address(
+                        builder, aa, signature.args[0], [t_, builder.add(h0_, g.index), j.index], _f32))
+            _written_out_or_generic(builder, signature, signature.args[8], vsa, head_size, body, generic,
+                                    loudly_wrong)
             return context.get_dummy_value()
         return sig, codegen
     return score_rows, add_rows
 
 
-if config.DISABLE_JIT:                   # stepping through as Python: the plain loops (fits() is then False)
-    def fits(k, ks) -> bool:             # noqa: F811
-        return False
-    score_rows = add_rows = None
+def _scales(context, builder, scales_type, scales):
+    """The int8 scales' array struct, or None for a float format."""
+    if isinstance(scales_type, types.NoneType):
+        return None
+    return cgutils.create_struct_proxy(scales_type)(context, builder, value=scales)
+
+
+def score_rows_reference(q, t, h0, G, k, ks, s0, n, kvh, scale, scores, i0, shape=()):
+    """score_rows as plain loops."""
+    for h in range(h0, h0 + G):
+        for i in range(n):
+            total = np.float32(0.0)
+            for j in range(q.shape[2]):
+                total += q[t, h, j] * kv_value(k, ks, s0 + i, kvh, j)
+            scores[t, h, i0 + i] = total * scale
+
+
+def add_rows_reference(acc, t, h0, G, p, i0, n, v, vs, s0, kvh, shape=()):
+    """add_rows as plain loops."""
+    for h in range(h0, h0 + G):
+        for i in range(n):
+            for j in range(acc.shape[2]):
+                acc[t, h, j] += p[t, h, i0 + i] * kv_value(v, vs, s0 + i, kvh, j)
+
+
+if config.DISABLE_JIT:                   # stepping through as Python: the plain loops
+    score_rows, add_rows = score_rows_reference, add_rows_reference
 else:
     score_rows, add_rows = _row_intrinsics(F16C)
-

@@ -18,46 +18,63 @@ from pathlib import Path
 
 import numpy as np
 
-from ..kv_cache import kv_storage
+from ..kv_cache import int8_group, kv_storage
 from ..quant import BLOCK, Int8Block, Int8Channel, Q4Block, quantize
 from . import intdot
 from .block import BLOCKS
 from .dispatch import FEW_TOKENS, FUSED_ROWS, attention, linear, paged_attention, swiglu
 from .kv_formats import kernel_operands
+from .kv_rows import row_shape, row_shape_of
 from .linear_kernels import TILE_MIN_ROWS, weight_arrays
 from .pointwise import apply_rope, rmsnorm
 
 FORMATS = {np.ndarray: None, Int8Channel: "int8", Int8Block: "int8-block", Q4Block: "q4_1"}
 NOTICE_AFTER_S = 1.0    # loading every kernel from the cache takes well under this; compiling takes seconds
 HELPER_TIMEOUT_S = 600  # a second process compiling the fused blocks: given up on (and done here) after this
-_done: set = set()      # what is warm, as tagged tuples: ("linear", fmt, a8, rows), ("block", fmt, a8, kv_dtype),
-                        # ("attention", kind, kv_dtype), ("paged", kv_dtype), ("ops",)
+_done: set = set()      # what is warm, as tagged tuples: ("linear", fmt, a8, rows), ("block", fmt, a8, kv_dtype,
+                        # heads), ("attention", kind, kv_dtype, heads), ("paged", kv_dtype, heads), ("ops",); heads:
+                        # the model's (head size, query heads per KV head), which kv_rows.py compiles code for
 
 
-def _matrix(fmt: str | None, rows: int):
-    """A [rows, 32] weight of format fmt (None: float32)."""
-    w = np.ones((rows, BLOCK), np.float32)
+def _matrix(fmt: str | None, rows: int, cols: int = BLOCK):
+    """A [rows, cols] weight of format fmt (None: float32)."""
+    w = np.ones((rows, cols), np.float32)
     return w if fmt is None else quantize(w, fmt)
 
 
-def _warm_decode_block(fmt: str | None, int8_inputs: bool, kv_dtype: str) -> None:
-    H, KVH, Dh = 2, 1, BLOCK // 2                                   # so every matrix is [*, 32]: one block wide
+def _warm_decode_block(fmt: str | None, int8_inputs: bool, kv_dtype: str, heads: tuple) -> None:
+    """The fused block for weights of fmt, an activations setting, a cache of kv_dtype, and attention heads like
+    the model's (heads: its head size and query heads per KV head)."""
+    H, KVH, Dh = _dummy_heads(heads, kv_dtype)                      # D = 32: one block wide
     x, norm, trig = np.ones((1, BLOCK), np.float32), np.ones(BLOCK, np.float32), np.ones((1, Dh // 2), np.float32)
     kv = kv_storage((4, KVH, Dh), kv_dtype)                         # [S_max, KVH, Dh]
     (k, k_scales), (v, v_scales) = kernel_operands(kv), kernel_operands(kv)
-    mats = [weight_arrays(_matrix(fmt, rows)) for rows in ((H + 2 * KVH) * Dh, BLOCK, 2 * BLOCK, BLOCK)]
-    BLOCKS[int8_inputs](x, norm, norm, *mats, intdot.USE_VNNI, k, k_scales, v, v_scales, 0, trig, trig, H, 1e-5)
+    mats = [weight_arrays(_matrix(fmt, rows, cols)) for rows, cols in (((H + 2 * KVH) * Dh, BLOCK), (BLOCK, H * Dh),
+                                                                        (2 * BLOCK, BLOCK), (BLOCK, BLOCK))]
+    BLOCKS[int8_inputs](x, norm, norm, *mats, intdot.USE_VNNI, k, k_scales, v, v_scales, 0, trig, trig, H, 1e-5,
+                        row_shape_of(k, k_scales, H // KVH))
 
 
-def _warm_attention(kv_dtype: str, kinds=("decode", "prefill")) -> None:
-    """decode_attention (a few query rows) and tiled_causal_attention (a prompt chunk) on a cache of kv_dtype."""
+def _dummy_heads(heads: tuple, kv_dtype: str) -> tuple:
+    """(H, KVH, Dh) of a small stand-in whose attention compiles the same code as the model's: its own head size
+    and heads per KV head where kv_rows writes them out, else a generic shape (head size 16)."""
+    head_dim, per_kv = heads
+    if row_shape(head_dim, per_kv, int8_group(head_dim) if kv_dtype == "int8" else None) == ():
+        return 2, 1, 16
+    return per_kv, 1, head_dim
+
+
+def _warm_attention(kv_dtype: str, heads: tuple, kinds=("decode", "prefill")) -> None:
+    """decode_attention (a few query rows) and tiled_causal_attention (a prompt chunk) on a cache of kv_dtype, for
+    heads like the model's (its head size, query heads per KV head)."""
+    H, KVH, Dh = _dummy_heads(heads, kv_dtype)
     for kind in kinds:
-        if ("attention", kind, kv_dtype) not in _done:
+        if ("attention", kind, kv_dtype, heads) not in _done:
             T = 2 if kind == "decode" else FEW_TOKENS + 1
-            kv = kv_storage((T + 1, 1, 4), kv_dtype)                # [S, KVH, Dh]
-            kv[:] = np.ones((T + 1, 1, 4), np.float32)
-            attention(np.ones((T, 2, 4), np.float32), kv, kv, 1)
-            _done.add(("attention", kind, kv_dtype))
+            kv = kv_storage((T + 1, KVH, Dh), kv_dtype)             # [S, KVH, Dh]
+            kv[:] = np.ones((T + 1, KVH, Dh), np.float32)
+            attention(np.ones((T, H, Dh), np.float32), kv, kv, 1)
+            _done.add(("attention", kind, kv_dtype, heads))
 
 
 def _warm_linear(fmt: str | None, a8: bool, rows: int) -> None:
@@ -74,30 +91,32 @@ def _warm_rope() -> None:
 
 
 def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False, fused: bool = True,
-           kv_dtype: str = "float32") -> float:
+           kv_dtype: str = "float32", heads: tuple = (64, 1)) -> float:
     """Compile (or load from Numba's cache) what a model needs, and nothing else, so that a first run compiles only
     its own format: for its blocks' weight classes (`matrix_types`) the one-row and the tiled linears and (if
     `fused`) the one-call block; for its output head's class (`head_types`) the one-row linear (the head sees one
     row per sequence: its tiled kernel waits for batches, warmup_paged); all for its activations setting
-    (int8_inputs) and a KV cache of kv_dtype; attention and the small ops. -> seconds it took."""
+    (int8_inputs) and a KV cache of kv_dtype; attention for `heads` (the model's head size and query heads per KV
+    head: kv_rows.py compiles code for them) and the small ops. -> seconds it took."""
     t0 = time.perf_counter()
-    matrices, heads = {FORMATS[t] for t in matrix_types}, {FORMATS[t] for t in head_types}
-    a8 = {fmt: int8_inputs and fmt is not None for fmt in matrices | heads}     # int8 activations: quantized only
+    matrices, head_formats = {FORMATS[t] for t in matrix_types}, {FORMATS[t] for t in head_types}
+    a8 = {fmt: int8_inputs and fmt is not None for fmt in matrices | head_formats}   # int8 activations: quantized
     batched = any(key[0] == "paged" for key in _done)                         # a pool exists: heads see batches
-    blocks = [(fmt, a8[fmt], kv_dtype) for fmt in matrices
-              if fused and FUSED_ROWS and ("block", fmt, a8[fmt], kv_dtype) not in _done]
+    heads = tuple(heads)
+    blocks = [(fmt, a8[fmt], kv_dtype, heads) for fmt in matrices
+              if fused and FUSED_ROWS and ("block", fmt, a8[fmt], kv_dtype, heads) not in _done]
     with compile_notice(t0):
         helper = _blocks_in_a_second_process(blocks)
         if helper is not None:      # meanwhile, what the blocks do not contain (they hold the rest, compiled there)
-            _warm_attention(kv_dtype, ("prefill",))
+            _warm_attention(kv_dtype, heads, ("prefill",))
             _warm_rope()
-            for fmt in heads - matrices:
+            for fmt in head_formats - matrices:
                 _warm_linear(fmt, a8[fmt], 1)
             _wait(helper)
         for fmt in a8:              # then the rest: loaded from the cache where the helper compiled it
             for rows in (1, TILE_MIN_ROWS) if fmt in matrices or batched else (1,):
                 _warm_linear(fmt, a8[fmt], rows)
-        _warm_attention(kv_dtype)
+        _warm_attention(kv_dtype, heads)
         if ("ops",) not in _done:
             x = np.ones((1, BLOCK), dtype=np.float32)
             rmsnorm(x, x[0], 1e-5)
@@ -117,10 +136,11 @@ def _wait(helper) -> None:
 
 
 def compile_blocks(blocks) -> None:
-    """Compile (or load) the fused block for each (weight format, int8 activations, kv_dtype) in `blocks`."""
-    for fmt, a8, kv_dtype in blocks:
-        _warm_decode_block(fmt, a8, kv_dtype)
-        _done.add(("block", fmt, a8, kv_dtype))
+    """Compile (or load) the fused block for each (weight format, int8 activations, kv_dtype, heads) in `blocks`."""
+    for fmt, a8, kv_dtype, heads in blocks:
+        heads = tuple(heads)                                          # (a list when it came as JSON)
+        _warm_decode_block(fmt, a8, kv_dtype, heads)
+        _done.add(("block", fmt, a8, kv_dtype, heads))
 
 
 def _blocks_in_a_second_process(blocks):
@@ -131,7 +151,7 @@ def _blocks_in_a_second_process(blocks):
     if not blocks or (os.cpu_count() or 1) < 2 or os.environ.get("TINYLLM_COMPILE_HELPER", "1") == "0":
         return None
     try:
-        if any(BLOCKS[a8]._cache._cache_file._load_index() for _, a8, _ in blocks):   # (Numba's own cache index)
+        if any(BLOCKS[a8]._cache._cache_file._load_index() for _, a8, _, _ in blocks):   # (Numba's cache index)
             return None
         root = Path(__file__).resolve().parents[2]                   # the folder holding this tinyllm package
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p))
@@ -143,24 +163,26 @@ def _blocks_in_a_second_process(blocks):
         return None
 
 
-def warmup_paged(kv_dtype: str = "float32") -> float:
+def warmup_paged(kv_dtype: str = "float32", heads: tuple = (64, 1)) -> float:
     """Compile (or load) what batches need: the paged-attention kernel for blocks of kv_dtype (and the other
     attention kernels of that format), and the tiled linears of output heads warmed so far for one row only.
     PagedKVCache calls it when a pool is made, so only users of a paged pool pay for it. -> seconds it took."""
     one_row_only = [(fmt, a8) for _, fmt, a8, rows in (key for key in _done if key[0] == "linear")
                     if rows == 1 and ("linear", fmt, a8, TILE_MIN_ROWS) not in _done]
-    if ("paged", kv_dtype) in _done and not one_row_only:
+    heads = tuple(heads)
+    if ("paged", kv_dtype, heads) in _done and not one_row_only:
         return 0.0
     t0 = time.perf_counter()
     with compile_notice(t0):
-        blocks = kv_storage((2, 2, 1, 4), kv_dtype)                 # [NB, BS, KVH, Dh]
-        blocks[:] = np.ones((2, 2, 1, 4), np.float32)
-        paged_attention(np.ones((2, 2, 4), np.float32), blocks, blocks, np.zeros((2, 1), np.int32),
+        H, KVH, Dh = _dummy_heads(heads, kv_dtype)
+        blocks = kv_storage((2, 2, KVH, Dh), kv_dtype)              # [NB, BS, KVH, Dh]
+        blocks[:] = np.ones((2, 2, KVH, Dh), np.float32)
+        paged_attention(np.ones((2, H, Dh), np.float32), blocks, blocks, np.zeros((2, 1), np.int32),
                         np.ones(2, np.int32))
-        _warm_attention(kv_dtype)
+        _warm_attention(kv_dtype, heads)
         for fmt, a8 in one_row_only:                                # a head's tiled kernel: a batch's logits
             _warm_linear(fmt, a8, TILE_MIN_ROWS)
-    _done.add(("paged", kv_dtype))
+    _done.add(("paged", kv_dtype, heads))
     return time.perf_counter() - t0
 
 
