@@ -191,6 +191,7 @@ def main() -> None:
     p.add_argument("--quant", default="fp32", help="weights for the speed part (tinyllm.load's quant; several: "
                    "comma-separated, e.g. fp32,native)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the speed part")
     p.add_argument("--quick", action="store_true", help="tiny settings, nothing written (a smoke test)")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args()
@@ -213,7 +214,7 @@ def main() -> None:
         if write:
             replace_section("kv-dtype-quality", section)
     if args.speed:
-        contexts, rounds, steps = ((64, 256), 1, 3) if args.quick else (CONTEXTS, 5, 10)
+        contexts, rounds, steps = ((64, 256), 1, 3) if args.quick else (CONTEXTS, args.rounds, 10)
         runs = []
         for quant in args.quant.split(","):
             model = tinyllm.load(quant=quant)
