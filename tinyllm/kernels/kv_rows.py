@@ -11,16 +11,17 @@ values). `score_rows_reference` and `add_rows_reference` below are the plain loo
 with NUMBA_DISABLE_JIT=1, and what the tests hold the fast one to.
 
 The fast one is LLVM IR. Each stored row is loaded and widened to float32 once, 16 values to a vector, for all G
-query heads, whose q rows (score_rows) or running sums (add_rows) stay in registers for the whole pass, up to
-VECTORS_AT_ONCE vectors of them at a time; the rows PREFETCH_ROWS ahead are requested from memory as it goes, since the
-hardware prefetcher alone left the float16 and int8 kernels waiting on memory. A row is written out without loops
-over its values: with the head size known only at run time, LLVM's loops kept their counters, overlap checks and
-leftover iterations, and ran 1.5x slower. This is generated for head sizes 64 and 128 (int8 in groups of 32), the
-usual ones; any other shape takes a generic path of plain loops in the same IR. The last argument, `shape`, tells
-the compiler which: a tuple from `row_shape` whose type (Numba types a tuple by its elements) carries the head size
-and the query heads per KV head, so that exactly one written-out body is compiled for a model (its first start
-compiled seconds of code it never ran before), or () for the generic path. Rows that turn out not to match it at
-run time get NaN scores and sums: loudly wrong, never silently.
+query heads, whose q rows (score_rows) or running sums (add_rows) stay in registers for the whole pass
+(VECTORS_AT_ONCE vectors of them at a time); the rows PREFETCH_ROWS ahead are requested from memory as it goes,
+since the hardware prefetcher alone left the float16 and int8 kernels waiting on memory. A row is written out
+without loops over its values: with the head size known only at run time, LLVM's loops kept their counters, overlap
+checks and leftover iterations, and ran 1.5x slower. Code is written out for head sizes 64 and 128 (int8 in groups
+of 32), the usual ones; any other shape takes a generic path of plain loops in the same IR.
+
+Which of them a kernel contains is decided when it compiles, by its last argument `shape`: a tuple from
+`row_shape` whose type (how many floats, how many ints) carries the head size and the query heads per KV head, or
+() for the generic path. So a model compiles exactly the one body it runs (every variant in one kernel cost its
+first start seconds of compiling); rows that turn out not to match it get NaN scores and sums: loudly wrong.
 """
 from __future__ import annotations
 
