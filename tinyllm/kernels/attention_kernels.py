@@ -2,7 +2,7 @@
 cache (prompt chunks: prefill_attention.py). Each is the compiled twin of ops.attention or ops.paged_attention.
 
 Grouped-query attention throughout: query head h reads KV head h // G, so a K/V row read once serves the G query
-heads of its group (and every query token of the call) from L1; K and V are never copied or repeated.
+heads of its group (the other query tokens of a call find it in the cache); K and V are never copied or repeated.
 
 K and V arrive in the cache's stored format as (values, scales) pairs (kv_formats.py: float32, float16 bits, or
 int8 with a scale per 32 values) and no dequantized copy of the cache is made: kv_rows.py's `score_rows` and
