@@ -245,6 +245,7 @@ def _row_intrinsics(f16c: bool):
                                                    flags=_FAST), total)
                     builder.store(builder.fmul(builder.load(total), scale_, flags=_FAST), _address(
                         builder, sa, signature.args[10], [t_, h, builder.add(i0_, i.index)], _f32))
+
             def loudly_wrong():
                 with cgutils.for_range(builder, heads_) as g, cgutils.for_range(builder, n_) as i:
                     builder.store(ir.Constant(_f32, float("nan")), _address(
