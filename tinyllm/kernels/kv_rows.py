@@ -303,6 +303,7 @@ def _row_intrinsics(f16c: bool):
                         where = _address(builder, aa, signature.args[0], [t_, h, j.index], _f32)
                         builder.store(builder.fadd(builder.load(where), builder.fmul(weight, x, flags=_FAST),
                                                    flags=_FAST), where)
+
             def loudly_wrong():
                 with cgutils.for_range(builder, heads_) as g, cgutils.for_range(builder, head_size) as j:
                     builder.store(ir.Constant(_f32, float("nan")), _address(
