@@ -172,7 +172,8 @@ def speed_section(runs: list, command: str) -> str:
              "| weights | context | KV format | KV MB read per step | decode tok/s | vs float32 | memory-bound limit | "
              "attention per layer, us | its KV read, GB/s |", "|---|---|---|---|---|---|---|---|---|"]
     for model, res, attention in runs:
-        weights = f"{model.quant} ({model.weight_bytes / 1e6:.0f} MB)"
+        a8 = "+a8" if model.activations == "int8" else ""
+        weights = f"{model.quant}{a8} ({model.weight_bytes / 1e6:.0f} MB)"
         for (S, d), t in res.items():
             kv_bytes = S * model.config.kv_bytes_per_token(d)
             limit = (model.weight_bytes + S * model.config.kv_bytes_per_token("float32")) / (model.weight_bytes
@@ -188,8 +189,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quality", action="store_true", help="KLD of each format against the float32 cache")
     p.add_argument("--speed", action="store_true", help="decode tok/s per format at each context")
-    p.add_argument("--quant", default="fp32", help="weights for the speed part (tinyllm.load's quant; several: "
-                   "comma-separated, e.g. fp32,native)")
+    p.add_argument("--quant", default="fp32", help="weights for the speed part (tinyllm.load's quant, +a8 for int8 "
+                   "activations; several: comma-separated, e.g. fp32,native,native+a8)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the speed part")
     p.add_argument("--quick", action="store_true", help="tiny settings, nothing written (a smoke test)")
@@ -216,8 +217,9 @@ def main() -> None:
     if args.speed:
         contexts, rounds, steps = ((64, 256), 1, 3) if args.quick else (CONTEXTS, args.rounds, 10)
         runs = []
-        for quant in args.quant.split(","):
-            model = tinyllm.load(quant=quant)
+        for spec in args.quant.split(","):
+            quant, _, a8 = spec.partition("+")
+            model = tinyllm.load(quant=quant, activations="int8" if a8 else "float32")
             runs.append((model, *speed(model, contexts, rounds, steps)))
             del model
         section = speed_section(runs, command)
