@@ -10,6 +10,7 @@ import pytest
 
 import tinyllm
 from tinyllm import kernels, ops, quant
+from tinyllm.kv_cache import kv_storage
 
 tinyllm.set_threads(min(2, __import__("os").cpu_count()))
 RNG = np.random.default_rng(0)
@@ -56,12 +57,14 @@ def test_linear_numpy_twin(benchmark, fmt):
     benchmark(ops.linear, x, w)
 
 
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8"])
 @pytest.mark.parametrize("S", [256, 2048])
 @pytest.mark.parametrize("impl", ["numba", "numpy"])
-def test_decode_attention(benchmark, impl, S):
+def test_decode_attention(benchmark, impl, S, kv_dtype):
+    """One token against S cached positions stored as kv_dtype (SmolLM2's 9 heads over 3 KV heads of 64)."""
     q = RNG.normal(size=(1, 9, 64)).astype(np.float32)
-    k = RNG.normal(size=(S, 3, 64)).astype(np.float32)
-    v = RNG.normal(size=(S, 3, 64)).astype(np.float32)
+    k, v = kv_storage((S, 3, 64), kv_dtype), kv_storage((S, 3, 64), kv_dtype)
+    k[:], v[:] = (RNG.normal(size=(S, 3, 64)).astype(np.float32) for _ in range(2))
     fn = kernels.attention if impl == "numba" else ops.attention
     fn(q, k, v, S - 1)
     benchmark.extra_info["bytes"] = k.nbytes + v.nbytes
