@@ -174,10 +174,10 @@ def test_decode_attention_on_each_head_size(kv_dtype, head_dim):
 
 # --- kernels == numpy twins on each stored format ----------------------------------------------------------------
 @pytest.mark.parametrize("kv_dtype", ROUNDED)
-@pytest.mark.parametrize("T, start", [(1, 40), (4, 7), (17, 3), (20, 200)])
+@pytest.mark.parametrize("T, start", [(1, 40), (4, 7), (17, 3), (20, 200), (1, 600), (3, 1200)])
 def test_attention_kernels_read_the_stored_format(kv_dtype, T, start):
-    """decode (T <= FEW_TOKENS) and causal attention on float16 / int8 K and V equal numpy attention on their
-    dequantized values."""
+    """decode (T <= FEW_TOKENS; one thread up to 256 positions, split over threads past it) and causal attention
+    on float16 / int8 K and V equal numpy attention on their dequantized values."""
     rng = np.random.default_rng(19)
     H, KVH, Dh = 9, 3, 64
     q = rng.normal(size=(T, H, Dh)).astype(np.float32)
