@@ -176,7 +176,7 @@ def test_decode_attention_on_each_head_size(kv_dtype, head_dim):
 @pytest.mark.parametrize("kv_dtype", ROUNDED)
 @pytest.mark.parametrize("T, start", [(1, 40), (4, 7), (17, 3), (20, 200), (1, 600), (3, 1200)])
 def test_attention_kernels_read_the_stored_format(kv_dtype, T, start):
-    """decode (T <= FEW_TOKENS; one thread up to 256 positions, split over threads past it) and causal attention
+    """decode (T <= FEW_TOKENS; one task up to 64 positions, up to 16 on both threads past it) and causal attention
     on float16 / int8 K and V equal numpy attention on their dequantized values."""
     rng = np.random.default_rng(19)
     H, KVH, Dh = 9, 3, 64

@@ -20,7 +20,6 @@ from .numerics import PARALLEL, SERIAL, exp32, softmax_in_place
 ATTN_CHUNK = 64   # fewest cache positions per task in decode attention
 ATTN_TASKS = 16   # most tasks: past 1,024 positions the chunks grow, so the serial merge stays small
 ROWS_AT_ONCE = 16  # cached positions per pass of kv_rows: their rows for every KV head come from memory once
-SERIAL_POSITIONS = 256  # up to this many, one thread: splitting saved nothing (measured), starting threads costs
 
 
 @njit(**PARALLEL)
@@ -33,9 +32,8 @@ def decode_attention(q, k, ks, v, vs, start, out, shape):
     Split over positions ("flash-decoding", Dao et al. 2023), so both cores work even with 3 KV heads: each task
     takes a chunk of positions (ATTN_CHUNK, or S / ATTN_TASKS when that is more) and computes, per query token and
     head, the scores, their running max m, the sum l of their exponentials and the weighted sum of V; the chunks
-    are merged at the end by rescaling with exp(m_chunk - m_global). Up to SERIAL_POSITIONS positions it is one
-    task on the calling thread. A task reads its K rows, then its V rows, front to back, ROWS_AT_ONCE positions at
-    a time (each KV head's part of them in turn, kv_rows.py).
+    are merged at the end by rescaling with exp(m_chunk - m_global). A task reads its K rows, then its V rows,
+    front to back, ROWS_AT_ONCE positions at a time (each KV head's part of them in turn, kv_rows.py).
     """
     T, H, Dh = q.shape
     S = k.shape[0]
@@ -44,13 +42,9 @@ def decode_attention(q, k, ks, v, vs, start, out, shape):
     chunk_max = np.empty((n_chunks, T, H), dtype=np.float32)    # m per chunk
     chunk_sum = np.empty((n_chunks, T, H), dtype=np.float32)    # l per chunk
     chunk_out = np.empty((n_chunks, T, H, Dh), dtype=np.float32)
-    if S <= SERIAL_POSITIONS:                                    # one task here: no threads to start and join
-        n_chunks = 1
-        _attend_chunk(q, k, ks, v, vs, start, 0, S, chunk_max[0], chunk_sum[0], chunk_out[0], shape)
-    else:
-        for c in prange(n_chunks):
-            _attend_chunk(q, k, ks, v, vs, start, c * chunk, min(S, (c + 1) * chunk), chunk_max[c],
-                          chunk_sum[c], chunk_out[c], shape)
+    for c in prange(n_chunks):
+        _attend_chunk(q, k, ks, v, vs, start, c * chunk, min(S, (c + 1) * chunk), chunk_max[c],
+                      chunk_sum[c], chunk_out[c], shape)
     for t in range(T):                                           # merge the chunks of each token and head
         for h in range(H):
             m = chunk_max[0, t, h]
