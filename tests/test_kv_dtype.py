@@ -99,22 +99,23 @@ def test_float16_conversions_without_f16c_give_numpys_bits():
         np.testing.assert_array_equal(got, x.astype(np.float16).view(np.uint16))
 
 
-@pytest.mark.parametrize("f16c", [True, False])
+@pytest.mark.parametrize("f16c, vnni", [(True, True), (False, False)])
 @pytest.mark.parametrize("head_dim, H, group", [(64, 6, 32), (128, 6, 32), (64, 14, 32), (48, 6, 16), (40, 4, 40),
                                                 (64, 6, 64)])
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_rows_in_llvm_ir_equal_the_plain_loops(kv_dtype, head_dim, H, group, f16c, monkeypatch):
-    """kv_rows' score_rows / add_rows in LLVM IR (float16 by F16C or by integer arithmetic) compute what their plain
-    loops compute: head sizes 64 and 128 written out (3 and 7 query heads per KV head), other head sizes and int8
-    groups on the generic path; passes that start anywhere; sums added to what acc held. Code compiled for one
-    shape (head size 64, int8 groups of 32) fills NaN for rows of another: loudly wrong."""
+def test_rows_in_llvm_ir_equal_the_plain_loops(kv_dtype, head_dim, H, group, f16c, vnni, monkeypatch):
+    """kv_rows' score_rows / add_rows in LLVM IR (float16 by F16C or by integer arithmetic; an int8 cache's q . k
+    by VNNI or by 16-bit products) compute what their plain loops compute: head sizes 64 and 128 written out (3
+    and 7 query heads per KV head), other head sizes and int8 groups on the generic path; passes that start
+    anywhere; sums added to what acc held. Code compiled for one shape (head size 64, int8 groups of 32) fills NaN
+    for rows of another: loudly wrong."""
     from numba import njit
     from tinyllm.kernels import kv_formats, kv_rows
-    if f16c and not kv_formats.F16C:
-        pytest.skip("this CPU has no F16C")
+    if f16c and not kv_formats.F16C or vnni and not kernels.HAVE_VNNI:
+        pytest.skip("this CPU has no F16C / AVX-512 VNNI")
     monkeypatch.setattr(kv_cache, "INT8_GROUP", group)
-    fast, plain = kv_rows._row_intrinsics(f16c), (njit(kv_rows.score_rows_reference),
-                                                 njit(kv_rows.add_rows_reference))
+    fast, plain = kv_rows._row_intrinsics(f16c, vnni), (njit(kv_rows.score_rows_reference),
+                                                       njit(kv_rows.add_rows_reference))
 
     def passes(score_rows, add_rows):
         @njit
@@ -154,22 +155,66 @@ def test_rows_in_llvm_ir_equal_the_plain_loops(kv_dtype, head_dim, H, group, f16
     assert not np.isnan(scores[0, 2:]).any()                 # only the two heads it was asked for
 
 
+def test_int8_attention_rounds_q_to_int8_blocks_in_every_twin():
+    """Over an int8 cache q is rounded to int8 blocks (kv_cache.query_for, numpy) exactly as the compiled code's
+    int8_levels does it, each value within half a level (max|group| / 254) of q; float caches leave q alone."""
+    from tinyllm.kernels.kv_formats import int8_levels
+    rng = np.random.default_rng(3)
+    q = (rng.normal(size=(2, 3, 64)) * rng.uniform(0.01, 30, size=(2, 3, 1))).astype(np.float32)
+    q[1, 2, :32] = 0.0                                           # a group of zeros: levels 0, no division by 0
+    rounded = kv_cache.query_for("int8", q)
+    for t in range(2):
+        for h in range(3):
+            levels, factors = int8_levels(q[t, h], 32, np.float32(1.0))
+            assert np.all(levels == np.round(levels)) and np.abs(levels).max() <= 127
+            np.testing.assert_allclose(rounded[t, h], levels * np.repeat(factors, 32), rtol=1e-6, atol=0)
+    half_level = np.repeat(np.abs(q.reshape(2, 3, 2, 32)).max(-1) / 254, 32, axis=-1).reshape(q.shape)
+    assert np.all(np.abs(rounded - q) <= half_level * 1.0001) and not np.array_equal(rounded, q)
+    assert not rounded[1, 2, :32].any()
+    for kv_dtype in ("float32", "float16"):
+        assert kv_cache.query_for(kv_dtype, q) is q
+
+
+@pytest.mark.parametrize("head_dim", [64, 48])
+@pytest.mark.parametrize("vnni", [True, False])
+def test_int8_scores_of_a_nan_q_are_nan(head_dim, vnni):
+    """A NaN in q gives its head NaN scores over an int8 cache (written out: head size 64, by VNNI or not; and the
+    generic path), as float arithmetic would: the rounding to int8 does not hide it. The other heads are finite."""
+    from numba import njit
+    from tinyllm.kernels import kv_formats, kv_rows
+    if vnni and not kernels.HAVE_VNNI:
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    score_rows, _ = kv_rows._row_intrinsics(kv_formats.F16C, vnni)
+
+    @njit
+    def run(q, k, ks, scores, shape):
+        score_rows(q, 0, 0, 3, k, ks, 0, k.shape[0], 0, np.float32(0.125), scores, 0, shape)
+    rng = np.random.default_rng(4)
+    k, ks = kv_formats.kernel_operands(stored(rng, (9, 1, head_dim), "int8")[0])
+    q = rng.normal(size=(1, 3, head_dim)).astype(np.float32)
+    q[0, 1, 5] = np.nan
+    scores = np.zeros((1, 3, 9), np.float32)
+    run(q, k, ks, scores, kv_rows.row_shape_of(k, ks, 3))
+    assert np.isnan(scores[0, 1]).all() and np.isfinite(scores[0, [0, 2]]).all()
+
+
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128, 48])
 def test_decode_attention_on_each_head_size(kv_dtype, head_dim):
-    """The decode and paged kernels equal numpy attention for head sizes kv_rows writes out (64, 128) and one it
-    does not (48: its generic path), on every stored format."""
+    """The decode and paged kernels equal numpy attention (which dequantizes the stored format itself, and over
+    int8 rounds q as the kernels do) for head sizes kv_rows writes out (64, 128) and one it does not (48: its
+    generic path), on every stored format."""
     rng = np.random.default_rng(11)
     H, KVH, T, start = 6, 2, 3, 70
     q = rng.normal(size=(T, H, head_dim)).astype(np.float32)
-    (k, k32), (v, v32) = (stored(rng, (start + T, KVH, head_dim), kv_dtype) for _ in range(2))
-    np.testing.assert_allclose(kernels.attention(q, k, v, start), ops.attention(q, k32, v32, start), atol=2e-5)
+    k, v = (stored(rng, (start + T, KVH, head_dim), kv_dtype)[0] for _ in range(2))
+    np.testing.assert_allclose(kernels.attention(q, k, v, start), ops.attention(q, k, v, start), atol=2e-6)
     NB, BS = 10, 8
-    (kb, kb32), (vb, vb32) = (stored(rng, (NB, BS, KVH, head_dim), kv_dtype) for _ in range(2))
+    kb, vb = (stored(rng, (NB, BS, KVH, head_dim), kv_dtype)[0] for _ in range(2))
     lens, tables = np.array([5, 30], np.int32), np.array([[7, 0, 0, 0], [2, 9, 4, 1]], np.int32)
     qb = q[:2]
     np.testing.assert_allclose(kernels.paged_attention(qb, kb, vb, tables, lens),
-                               ops.paged_attention(qb, kb32, vb32, tables, lens), atol=2e-5)
+                               ops.paged_attention(qb, kb, vb, tables, lens), atol=2e-6)
 
 
 # --- kernels == numpy twins on each stored format ----------------------------------------------------------------
@@ -177,12 +222,13 @@ def test_decode_attention_on_each_head_size(kv_dtype, head_dim):
 @pytest.mark.parametrize("T, start", [(1, 40), (4, 7), (17, 3), (20, 200), (1, 600), (3, 1200)])
 def test_attention_kernels_read_the_stored_format(kv_dtype, T, start):
     """decode (T <= FEW_TOKENS; one task up to 64 positions, up to 16 on both threads past it) and causal attention
-    on float16 / int8 K and V equal numpy attention on their dequantized values."""
+    on float16 / int8 K and V equal numpy attention on their dequantized values (over int8 with q in the int16
+    levels attention uses: kv_cache.query_for)."""
     rng = np.random.default_rng(19)
     H, KVH, Dh = 9, 3, 64
     q = rng.normal(size=(T, H, Dh)).astype(np.float32)
     (k, k32), (v, v32) = stored(rng, (start + T, KVH, Dh), kv_dtype, 3.0), stored(rng, (start + T, KVH, Dh), kv_dtype)
-    want = ops.attention(q, k32, v32, start)
+    want = ops.attention(kv_cache.query_for(kv_dtype, q), k32, v32, start)
     np.testing.assert_allclose(ops.attention(q, k, v, start), want, atol=1e-6)    # the twin dequantizes itself
     np.testing.assert_allclose(kernels.attention(q, k, v, start), want, atol=2e-5)
 
@@ -195,7 +241,7 @@ def test_paged_kernel_reads_the_stored_format(kv_dtype):
     lens = np.array([1, 7, 13], dtype=np.int32)
     tables = np.array([[5, 0, 0, 0], [3, 9, 0, 0], [11, 2, 7, 1]], dtype=np.int32)
     q = rng.normal(size=(3, H, Dh)).astype(np.float32)
-    want = ops.paged_attention(q, kb32, vb32, tables, lens)
+    want = ops.paged_attention(kv_cache.query_for(kv_dtype, q), kb32, vb32, tables, lens)
     np.testing.assert_allclose(ops.paged_attention(q, kb, vb, tables, lens), want, atol=1e-6)
     np.testing.assert_allclose(kernels.paged_attention(q, kb, vb, tables, lens), want, atol=2e-5)
 

@@ -11,7 +11,8 @@ token is 2 * L * KVH * Dh * bytes per value (SmolLM2-135M: 2*30*3*64 = 11,520 va
     "float16"  rounded to half precision when stored          23,040 B/token
     "int8"     int8 values + a float16 scale per 32 values    12,240 B/token (Q8_0's layout, per position and head)
 The values are rounded once, when a token's K/V are written; attention reads the stored format (the kernels
-convert as they load, ops.attention dequantizes in numpy), so every reader sees the same rounded values.
+convert as they load, ops.attention dequantizes in numpy), so every reader sees the same rounded values. Over an
+int8 cache, attention rounds q to int8 blocks too (`query_for`), so that the kernels' q . k runs in integers.
 The contract (shared with the paged cache): `update` writes new positions and returns views of the whole
 history, `length` counts committed tokens, `truncate` rolls back (speculative decoding's rejected drafts).
 
@@ -149,6 +150,20 @@ def kv_storage(shape: tuple, kv_dtype: str):
     if kv_dtype == "int8":
         return QuantizedKV.zeros(shape, int8_group(shape[-1]))
     return np.zeros(shape, dtype=kv_dtype)
+
+
+def query_for(kv_dtype: str, q: np.ndarray) -> np.ndarray:
+    """q [..., Dh] as attention over a cache of kv_dtype uses it. Over int8, q is rounded to int8 blocks as well
+    (llama.cpp does the same with a Q8_0 cache): each group of int8_group(Dh) values to levels of max|group| / 127
+    (a float32 step, not float16), so that the kernels' q . k is an integer dot product (kernels/kv_rows.py,
+    AVX-512 VNNI). Float caches: q as it is."""
+    if kv_dtype != "int8":
+        return q
+    group = int8_group(q.shape[-1])
+    qg = q.reshape(*q.shape[:-1], -1, group)                                              # [..., NG, group]
+    amax = np.max(np.abs(qg), axis=-1, keepdims=True)                                     # [..., NG, 1]
+    step = np.divide(np.float32(127.0), amax, out=np.zeros_like(amax), where=amax > 0)    # [..., NG, 1]
+    return (np.rint(qg * step) * (amax * np.float32(1.0 / 127.0))).astype(np.float32).reshape(q.shape)
 
 
 def as_float32(kv) -> np.ndarray:

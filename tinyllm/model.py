@@ -17,7 +17,7 @@ import numpy as np
 
 from . import ops
 from .config import ModelConfig
-from .kv_cache import ContiguousKVCache, Segment, attention_groups
+from .kv_cache import ContiguousKVCache, Segment, attention_groups, query_for
 from .quant import QuantizedWeight
 from .weights import fuse_layer_matrices
 
@@ -255,7 +255,8 @@ class Transformer:
         if trace is not None and trace.records_layer(i):
             cache, start = groups[0].cache, groups[0].start             # a traced pass has one sequence
             if cache is not None:                                   # what attention read: the stored, rounded K/V
-                k, v = cache.stored(i, start, start + T)
+                k, v = cache.stored(i, start, start + T)            # (and q as it used it)
+                q = query_for(cache.kv_dtype, q)
             trace.record_layer(i, q, k, v, x_in, x_mid, x)
         return x
 

@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 
-from .kv_cache import as_float32
+from .kv_cache import as_float32, kv_dtype_of, query_for
 from .quant import round_activations
 
 
@@ -94,8 +94,10 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
     q: [T, H, Dh] for positions start .. start+T-1; k, v: [S, KVH, Dh] for positions 0 .. S-1 (S = start + T).
     GQA: query head h reads KV head h // G. Reshaping q to [KVH, G, T, Dh] lets one matmul per KV head serve
     its G query heads; K and V are never copied or repeated. -> [T, H*Dh]
-    k and v may come in a cache's stored format (float16, or kv_cache.QuantizedKV for int8): dequantized first.
+    k and v may come in a cache's stored format (float16, or kv_cache.QuantizedKV for int8): dequantized first
+    (and over int8, q rounded as the kernels round it: kv_cache.query_for).
     """
+    q = query_for(kv_dtype_of(k), q)                               # (int8 caches: q in int8 blocks)
     k, v = as_float32(k), as_float32(v)                            # [S, KVH, Dh] float32 each
     T, H, Dh = q.shape
     S, KVH, _ = k.shape

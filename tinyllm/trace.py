@@ -13,7 +13,8 @@ cache, trace=tr)`, `generate(..., trace=True)`); without one nothing is recorded
 pass runs op by op (the fused decode block records nothing), on either backend and either cache; its tokens are
 the untraced run's. The attention probabilities are recomputed from the recorded q and k, which is what
 attention computes (the kernels never hold the [S, S] matrix). With a float16 or int8 cache the recorded k and v
-are the stored, rounded values attention read, not the exact ones the layer computed. Memory is bounded: pick layers and heads, and a
+are the stored, rounded values attention read, not the exact ones the layer computed (and with int8, q rounded
+to int8 blocks as attention used it: kv_cache.query_for). Memory is bounded: pick layers and heads, and a
 run past `max_positions` positions stops with a clear error.
 """
 from __future__ import annotations

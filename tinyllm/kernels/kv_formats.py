@@ -20,7 +20,7 @@ import llvmlite.binding as llvm
 import numpy as np
 from llvmlite import ir
 from numba import config, njit, types
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic, overload, register_jitable
 
 from ..kv_cache import QuantizedKV
 
@@ -111,6 +111,22 @@ def kv_value(k, ks, s, kvh, j):
     """The stored value k[s, kvh, j] as float32 (an int8 value times its group's scale)."""
     x = widen(k[s, kvh, j])
     return x if ks is None else x * widen(ks[s, kvh, j // (k.shape[2] // ks.shape[2])])
+
+
+@register_jitable
+def int8_levels(x, group, scale):
+    """A q row x [Dh] as attention over an int8 cache uses it (kv_cache.query_for): -> (x in int8 levels of
+    max|group| / 127 per group of `group` values, as float32 integers [Dh]; per group the factor, that step times
+    `scale`, which takes a sum of levels times values back to a scaled score [Dh / group])."""
+    levels = np.empty_like(x)
+    factors = np.empty(x.shape[0] // group, np.float32)
+    for b in range(factors.shape[0]):
+        amax = np.float32(np.max(np.abs(x[b * group:(b + 1) * group])))
+        step = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+        for j in range(b * group, (b + 1) * group):
+            levels[j] = np.rint(x[j] * step)
+        factors[b] = amax * (scale * np.float32(1.0 / 127.0))
+    return levels, factors
 
 
 def half_bits(x):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .kv_formats import kv_value
+from .kv_formats import int8_levels, kv_value
 from .numerics import PARALLEL, SERIAL, exp32
 
 QUERY_BLOCK = 16   # query tokens per task: with G heads per KV head, 48 rows share each K/V row read
@@ -68,8 +68,14 @@ def _query_block(q, k, ks, v, vs, start, out, t0, t1, kvh):
     scale = np.float32(1.0 / np.sqrt(Dh))
     rows = np.zeros((R4, Dh), dtype=np.float32)                 # [R4, Dh] the block's queries, pre-scaled
     for r in range((t1 - t0) * G):
-        for j in range(Dh):
-            rows[r, j] = q[t0 + r // G, kvh * G + r % G, j] * scale
+        if ks is None:
+            for j in range(Dh):
+                rows[r, j] = q[t0 + r // G, kvh * G + r % G, j] * scale
+        else:                                                   # an int8 cache: q as decode rounds it (kv_rows)
+            group = Dh // ks.shape[2]
+            levels, factors = int8_levels(q[t0 + r // G, kvh * G + r % G], group, scale)
+            for j in range(Dh):
+                rows[r, j] = levels[j] * factors[j // group]
     k_blk = np.zeros((KEY_BLOCK, Dh), dtype=np.float32)         # [KB, Dh] this key block's K rows
     v_t = np.zeros((Dh4, KEY_BLOCK), dtype=np.float32)          # [Dh4, KB] its V rows, transposed
     p = np.empty((R4, KEY_BLOCK), dtype=np.float32)             # [R4, KB] scores, then probabilities
