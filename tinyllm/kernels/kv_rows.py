@@ -18,8 +18,8 @@ without loops over its values: with the head size known only at run time, LLVM's
 checks and leftover iterations, and ran 1.5x slower. Code is written out for head sizes 64 and 128 (int8 in groups
 of 32), the usual ones; any other shape takes a generic path of plain loops in the same IR.
 
-score_rows adds up the products of ROWS_PER_TREE rows in one reduction tree per head (_lane_sums): summing each
-row's 16 lanes alone was a third of its instructions. Over an int8 cache q is rounded to int8 blocks as well (per
+score_rows adds up the products of ROWS_PER_TREE float16 or int8 rows in one reduction tree per head
+(_lane_sums): summing each row's 16 lanes alone was a third of its instructions. Over an int8 cache q is rounded to int8 blocks as well (per
 32 values, a float32 step: kv_cache.query_for, which every twin of attention applies too), so q . k needs no
 widening at all: with AVX-512 VNNI one vpdpbusd multiplies 64 stored bytes by q's levels and sums them in fours
 (llama.cpp's Q8_0 dot product); without it, vpmaddwd takes 32 at a time. Widening each int8 row to float32
@@ -46,7 +46,7 @@ LANES = 16                      # float32 values per vector (one AVX-512 registe
 INT8_GROUP = 32                 # values per int8 scale that the code here reads
 PREFETCH_ROWS = 32              # how far ahead of the row it reads a pass asks for rows from memory
 VECTORS_AT_ONCE = 16            # q rows (or sums) of a pass's query heads kept in registers, in 16-value vectors
-ROWS_PER_TREE = 4               # rows whose dot products one reduction tree adds up (score_rows)
+ROWS_PER_TREE = 4               # rows whose dot products one reduction tree adds up (float16, int8)
 
 
 _i8, _i16, _i32, _i64, _f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -395,10 +395,12 @@ def _row_intrinsics(f16c: bool, vnni: bool):
                                 sums = builder.fmul(sums, _splat(builder, scale_, rows), flags=_FAST)
                             builder.store(sums, builder.bitcast(_address(builder, sa, signature.args[10], [
                                 t_, h, builder.add(i0_, first_row)], _f32), sums.type.as_pointer()), align=4)
-                    trees = builder.udiv(n_, ir.Constant(_i64, ROWS_PER_TREE))
+                    # float32 rows one at a time: their kernel waits on memory, and ran slower with the trees
+                    per_tree = 1 if signature.args[4].dtype == types.float32 else ROWS_PER_TREE
+                    trees = builder.udiv(n_, ir.Constant(_i64, per_tree))
                     with cgutils.for_range(builder, trees) as tree:
-                        scores_of(builder.mul(tree.index, ir.Constant(_i64, ROWS_PER_TREE)), ROWS_PER_TREE)
-                    done = builder.mul(trees, ir.Constant(_i64, ROWS_PER_TREE))
+                        scores_of(builder.mul(tree.index, ir.Constant(_i64, per_tree)), per_tree)
+                    done = builder.mul(trees, ir.Constant(_i64, per_tree))
                     with cgutils.for_range(builder, builder.sub(n_, done)) as rest:      # the last n % 4, alone
                         scores_of(builder.add(done, rest.index), 1)
                 _head_groups(heads_per_kv, size, heads)
