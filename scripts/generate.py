@@ -148,5 +148,17 @@ def _discard_stdout() -> None:
     os.dup2(devnull, sys.stdout.fileno())
 
 
+def _exit_at_once(code: int) -> None:
+    """Exit without the interpreter's teardown (freeing Numba's compiled code and some 600 modules took longer
+    than a short run's work: benchmarks/RESULTS.md, "Startup"). Everything was written; stdout and stderr are
+    flushed first."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):                       # a closed pipe: nothing more can reach it
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit_at_once(main())
