@@ -19,7 +19,7 @@ from .numerics import PARALLEL, SERIAL, exp32, softmax_in_place
 
 ATTN_CHUNK = 64   # fewest cache positions per task in decode attention
 ATTN_TASKS = 16   # most tasks: past 1,024 positions the chunks grow, so the serial merge stays small
-ROWS_AT_ONCE = 16  # cached positions per pass of kv_rows: their rows for every KV head come from memory once
+ROWS_AT_ONCE = 32  # cached positions per pass of kv_rows: their rows for every KV head come from memory once
 
 
 @njit(**PARALLEL)
