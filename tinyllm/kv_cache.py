@@ -152,14 +152,14 @@ def kv_storage(shape: tuple, kv_dtype: str):
     return np.zeros(shape, dtype=kv_dtype)
 
 
-def query_for(kv_dtype: str, q: np.ndarray) -> np.ndarray:
+def query_for(kv_dtype: str, q: np.ndarray, group: int | None = None) -> np.ndarray:
     """q [..., Dh] as attention over a cache of kv_dtype uses it. Over int8, q is rounded to int8 blocks as well
-    (llama.cpp does the same with a Q8_0 cache): each group of int8_group(Dh) values to levels of max|group| / 127
-    (a float32 step, not float16), so that the kernels' q . k is an integer dot product (kernels/kv_rows.py,
-    AVX-512 VNNI). Float caches: q as it is."""
+    (llama.cpp does the same with a Q8_0 cache): each group of `group` values (the cache's; by default
+    int8_group(Dh)) to levels of max|group| / 127 (a float32 step, not float16), so that the kernels' q . k is an
+    integer dot product (kernels/kv_rows.py, AVX-512 VNNI). Float caches: q as it is."""
     if kv_dtype != "int8":
         return q
-    group = int8_group(q.shape[-1])
+    group = group or int8_group(q.shape[-1])
     qg = q.reshape(*q.shape[:-1], -1, group)                                              # [..., NG, group]
     amax = np.max(np.abs(qg), axis=-1, keepdims=True)                                     # [..., NG, 1]
     step = np.divide(np.float32(127.0), amax, out=np.zeros_like(amax), where=amax > 0)    # [..., NG, 1]

@@ -97,7 +97,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
     k and v may come in a cache's stored format (float16, or kv_cache.QuantizedKV for int8): dequantized first
     (and over int8, q rounded as the kernels round it: kv_cache.query_for).
     """
-    q = query_for(kv_dtype_of(k), q)                               # (int8 caches: q in int8 blocks)
+    q = query_for(kv_dtype_of(k), q, getattr(k, "group", None))  # (int8 caches: q in int8 blocks)
     k, v = as_float32(k), as_float32(v)                            # [S, KVH, Dh] float32 each
     T, H, Dh = q.shape
     S, KVH, _ = k.shape
