@@ -222,8 +222,8 @@ def test_decode_attention_on_each_head_size(kv_dtype, head_dim):
 @pytest.mark.parametrize("T, start", [(1, 40), (4, 7), (17, 3), (20, 200), (1, 600), (3, 1200)])
 def test_attention_kernels_read_the_stored_format(kv_dtype, T, start):
     """decode (T <= FEW_TOKENS; one task up to 64 positions, up to 16 on both threads past it) and causal attention
-    on float16 / int8 K and V equal numpy attention on their dequantized values (over int8 with q in the int16
-    levels attention uses: kv_cache.query_for)."""
+    on float16 / int8 K and V equal numpy attention on their dequantized values (over int8 with q rounded to int8
+    blocks as attention uses it: kv_cache.query_for)."""
     rng = np.random.default_rng(19)
     H, KVH, Dh = 9, 3, 64
     q = rng.normal(size=(T, H, Dh)).astype(np.float32)
