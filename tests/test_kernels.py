@@ -42,18 +42,20 @@ def test_quantize_rows_rounds_exactly_as_numpy(I):
     x = RNG.normal(0, 1, (3, I)).astype(np.float32)
     x[1] = 0.0                                                        # all-zero blocks: scale 1, zeros
     x[2, : min(I, 32)] = np.arange(min(I, 32)) * 0.5                  # exact halves: ties round to even
-    xq, xabs, xs = lin.quantize_rows(x)
+    xq, xstart, xs = lin.quantize_rows(x)
     want_q, want_s = quant.quantize_activations(x)
     np.testing.assert_array_equal(xq, want_q)
     np.testing.assert_array_equal(xs, want_s)
-    np.testing.assert_array_equal(xabs, np.abs(want_q))
+    full = I // 32 * 32                                               # VNNI's starting sums, over the full blocks
+    np.testing.assert_array_equal(xstart, -128 * want_q[:, :full].astype(np.int32).reshape(3, -1, 4).sum(-1))
     np.testing.assert_array_equal(lin.round_rows(x), quant.round_activations(x))
 
 
 @pytest.mark.parametrize("vnni", [pytest.param(True, marks=pytest.mark.skipif(
     not kernels.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI")), False])
 @pytest.mark.parametrize("fmt", list(quant.FORMATS))
-@pytest.mark.parametrize("I", [320, 352])                             # an even and an odd number of blocks
+# blocks: 3 (a pair, an odd one), 8 (fours), 9 (fours, an odd one), 10 (fours, a pair), 11 (all three): dot_q4's groups
+@pytest.mark.parametrize("I", [96, 256, 288, 320, 352])
 def test_integer_kernels_match_the_float_kernels_on_rounded_inputs(fmt, I, vnni):
     """The two implementations of int8 inputs agree: integer dot products (VNNI, or their plain reference bodies:
     vnni=False, what a CPU without VNNI runs) and the float kernels given the rounded rows (the tiled path)."""
@@ -68,32 +70,35 @@ def test_integer_kernels_match_the_float_kernels_on_rounded_inputs(fmt, I, vnni)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)
 
 
-def _dot_contract_inputs(fmt, rng):
+def _dot_contract_inputs(fmt, rng, I=256):
     """One weight matrix of format fmt and one input row, prepared as intdot.py's contract says."""
-    w = quant.quantize(rng.normal(0, 0.1, (9, 256)).astype(np.float32), fmt)
-    x = rng.normal(0, 1, (1, 256)).astype(np.float32)
+    w = quant.quantize(rng.normal(0, 0.1, (9, I)).astype(np.float32), fmt)
+    x = rng.normal(0, 1, (1, I)).astype(np.float32)
     x[0, :3] *= 30
-    xq, xabs, xs = lin.quantize_rows(x)
-    return w, xq, xabs, xs
+    xq, xstart, xs = lin.quantize_rows(x)
+    return w, xq, xstart, xs
 
 
 @pytest.mark.skipif(not kernels.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI")
-@pytest.mark.parametrize("fmt", list(quant.FORMATS))
-def test_each_vnni_dot_equals_its_reference_body(fmt):
+@pytest.mark.parametrize("fmt, I", [(f, 256) for f in quant.FORMATS] + [("q4_1", 64), ("q4_1", 192), ("q4_1", 576),
+                                                                         ("int8", 288), ("int8-block", 96)])
+def test_each_vnni_dot_equals_its_reference_body(fmt, I):
     """intdot.py's contract, row by row: the LLVM-IR dot product and its plain-Numba reference body agree (they
-    add the same integer products; only the order of the float sums differs)."""
+    add the same integer products; only the order of the float sums differs). q4_1 also with a pair of blocks
+    alone (64 inputs), fours and a pair (192), and SmolLM2's width (576: four fours and a pair); the int8 formats
+    with an odd block after their pairs (288, 96)."""
     from numba import njit
-    w, xq, xabs, xs = _dot_contract_inputs(fmt, np.random.default_rng(5))
+    w, xq, xstart, xs = _dot_contract_inputs(fmt, np.random.default_rng(5), I)
 
     if fmt == "q4_1":
-        xpair, xs8, xsum8 = lin._pair_layout(xq, xs)
-        args = (w.d, w.m, xpair[0], xs8[0], xsum8[0])
+        xg, xs4, xsum4 = lin._group_layout(xq, xs)
+        args = (w.d, w.m, xg[0], xs4[0], xsum4[0])
         fast, ref = intdot.dot_q4, intdot.dot_q4_reference
     elif fmt == "int8":
-        args = (xq[0], xabs[0], xs[0])
+        args = (xq[0], xstart[0], xs[0])
         fast, ref = intdot.dot_int8, intdot.dot_int8_reference
     else:
-        args = (w.scale, xq[0], xabs[0], xs[0])
+        args = (w.scale, xq[0], xstart[0], xs[0])
         fast, ref = intdot.dot_int8_block, intdot.dot_int8_block_reference
 
     def rows(f):                                                      # f on every row of the weight
@@ -113,14 +118,36 @@ def test_the_reference_dots_compute_what_the_contract_says():
     """The reference bodies against the contract written out in numpy (intdot.py's docstring)."""
     from numba import njit
     rng = np.random.default_rng(6)
-    w, xq, xabs, xs = _dot_contract_inputs("int8-block", rng)
+    w, xq, xstart, xs = _dot_contract_inputs("int8-block", rng)
     blocks = (w.q.astype(np.int64).reshape(9, 8, 32) * xq[0].astype(np.int64).reshape(8, 32)).sum(-1)   # [O, 8]
     want = (blocks * xs[0] * w.scale).sum(-1)
 
     @njit
-    def rows(q, ws, xq, xabs, xs):
-        return np.array([intdot.dot_int8_block_reference(q, o, ws, xq, xabs, xs) for o in range(q.shape[0])])
-    np.testing.assert_allclose(rows(w.q, w.scale, xq[0], xabs[0], xs[0]), want, rtol=1e-5)
+    def rows(q, ws, xq, xstart, xs):
+        return np.array([intdot.dot_int8_block_reference(q, o, ws, xq, xstart, xs) for o in range(q.shape[0])])
+    np.testing.assert_allclose(rows(w.q, w.scale, xq[0], xstart[0], xs[0]), want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("I", [64, 192, 224, 256])
+def test_the_q4_reference_dot_on_the_grouped_layout_is_the_plain_block_sum(I):
+    """dot_q4_reference over _group_layout's reordered input (fours, a last pair) is the sum over the even blocks
+    of d * xs * (4-bit values . rounded x) + min * xs * sum(rounded x), written out in numpy from the unpacked
+    nibbles: whichever group a block falls in, it meets its own 32 input values."""
+    from numba import njit
+    w, xq, _, xs = _dot_contract_inputs("q4_1", np.random.default_rng(7), I)
+    nb = I // quant.BLOCK
+    even = nb - nb % 2
+    packed = w.arrays[0].reshape(9, nb, 16).astype(np.int64)
+    values = np.concatenate([packed & 15, packed >> 4], axis=-1)                      # [O, blocks, 32]
+    x_blocks = xq[0].astype(np.int64).reshape(nb, quant.BLOCK)                          # [blocks, 32]
+    dots = (values * x_blocks).sum(-1)                                              # [O, blocks]
+    want = (w.d * xs[0] * dots + w.m * xs[0] * x_blocks.sum(-1))[:, :even].sum(-1)
+    xg, xs4, xsum4 = lin._group_layout(xq, xs)
+
+    @njit
+    def rows(p, d, m, xg, xs4, xsum4):
+        return np.array([intdot.dot_q4_reference(p, o, d, m, xg, xs4, xsum4) for o in range(p.shape[0])])
+    np.testing.assert_allclose(rows(w.arrays[0], w.d, w.m, xg[0], xs4[0], xsum4[0]), want, rtol=1e-5, atol=1e-5)
 
 
 def test_no_vnni_switch_forces_the_reference_bodies_in_a_whole_model():

@@ -7,22 +7,24 @@ multiplies 32 unsigned bytes by 32 signed bytes and adds each group of 4 product
 
 The contract (what every function here returns, as float32; the callers in linear_kernels.py prepare the inputs):
 
-    dot_int8(w, o, xq, xabs, xs)
-        w [O, I] int8 weights, o a row of w, xq [I] int8 rounded input, xabs [I] = |xq|, xs [ceil(I/32)] scales.
+    dot_int8(w, o, xq, xstart, xs)
+        w [O, I] int8 weights, o a row of w, xq [I] int8 rounded input, xs [ceil(I/32)] scales, xstart [I/4 over
+        the full blocks] int32: -128 times each 4 consecutive values of xq summed (vpdpbusd wants one operand
+        unsigned: the weights go in as w + 128, and these starting sums take back what the 128 adds).
         -> sum over the FULL blocks b < I // 32 of  xs[b] * sum_j w[o, 32b+j] * xq[32b+j]   (a short last block
            is the caller's)
-    dot_int8_block(w, o, ws, xq, xabs, xs)
+    dot_int8_block(w, o, ws, xq, xstart, xs)
         as dot_int8, ws [O, I/32] the weight's block scales (I a multiple of 32).
         -> sum over b of  ws[o, b] * xs[b] * sum_j w[o, 32b+j] * xq[32b+j]
-    dot_q4(w, o, d, mins, xpair, xs8, xsum8)
+    dot_q4(w, o, d, mins, xg, xs4, xsum4)
         w [O, I/2] packed 4-bit (Q4_1 order: byte j of a block holds value j low, value j+16 high), d, mins
-        [O, I/32]; for each PAIR p of blocks (b, b+1) = (2p, 2p+1): xpair[64p : 64p+64] the rounded input in the
-        order of the nibbles of the pair's 32 bytes (values 0-15 of b, 0-15 of b+1, 16-31 of b, 16-31 of b+1),
-        xs8[p, lane] the input scale of lane's block (lanes 0-3: block b, 4-7: b+1), xsum8[p, lane] the rounded
-        input summed over the 8 values that lane multiplies, times that scale.
-        -> sum over pairs p and lanes l of  isum[p, l] * d[o, b_l] * xs8[p, l] + mins[o, b_l] * xsum8[p, l],
-           b_l = 2p + l // 4, isum[p, l] = the integer dot of the 4 bytes 4l..4l+3 of the pair (both nibbles) with
-           their 8 input values. (An odd last block is the caller's.)
+        [O, I/32]. The blocks are taken in groups (`q4_group`): fours, then a last pair if two remain (an odd
+        last block is the caller's). xg [I] is the rounded input in the order of the nibbles of each group's
+        bytes: values 0-15 of each of its blocks in turn, then values 16-31 of each in turn. Each block b has 4
+        lanes l (its bytes 4l..4l+3, both nibbles): xs4[4b + l] is the block's input scale, xsum4[4b + l] the
+        rounded input summed over the 8 values that lane multiplies, times that scale.
+        -> sum over blocks b and lanes l of  isum[b, l] * d[o, b] * xs4[4b+l] + mins[o, b] * xsum4[4b+l],
+           isum[b, l] = the integer dot of the lane's 4 bytes (both nibbles) with their 8 input values.
 
 Each has a plain-Numba `*_reference` body with the same contract. The VNNI versions are LLVM IR written here
 (Numba cannot express vector instructions); where the CPU lacks VNNI, or with NUMBA_DISABLE_JIT=1, the plain names
@@ -47,8 +49,9 @@ HAVE_VNNI = (not config.DISABLE_JIT and not config.CPU_NAME       # (a portable 
              and {"avx512vnni", "avx512vl"} <= set(f[1:] for f in llvm.get_host_cpu_features().flatten().split(",")
                                                    if f.startswith("+")))
 USE_VNNI = HAVE_VNNI and os.environ.get("TINYLLM_NO_VNNI", "") in ("", "0")
-# Rows are short (576 int8 or 288 packed bytes), so the hardware prefetcher keeps restarting: ask this far ahead.
-PREFETCH_BYTES = 2048
+# Rows are short (576 int8 or 288 packed bytes), so the hardware prefetcher keeps restarting: ask this far ahead
+# (8 KiB, some 14 int8 rows: the int8 kernels read from memory 1.2-1.3x faster than with 2 KiB; RESULTS.md).
+PREFETCH_BYTES = 8192
 
 
 # --- the reference bodies ----------------------------------------------------------------------------------------
@@ -62,7 +65,7 @@ def _int8_block_sum(w, o, xq, b):
 
 
 @njit(**SERIAL)
-def dot_int8_reference(w, o, xq, xabs, xs):
+def dot_int8_reference(w, o, xq, xstart, xs):
     acc = np.float32(0.0)
     for b in range(w.shape[1] // BLOCK):
         acc += np.float32(_int8_block_sum(w, o, xq, b)) * xs[b]
@@ -70,24 +73,36 @@ def dot_int8_reference(w, o, xq, xabs, xs):
 
 
 @njit(**SERIAL)
-def dot_int8_block_reference(w, o, ws, xq, xabs, xs):
+def dot_int8_block_reference(w, o, ws, xq, xstart, xs):
     acc = np.float32(0.0)
     for b in range(ws.shape[1]):
         acc += np.float32(_int8_block_sum(w, o, xq, b)) * (xs[b] * ws[o, b])
     return acc
 
 
+@njit(fastmath=True, cache=True, inline="always")
+def q4_group(b, n_blocks):
+    """The group of blocks that block b belongs to in dot_q4's input order -> (its first block, how many): fours,
+    so that one 64-byte load takes a group's packed bytes, then a last pair (two 32-byte halves of a vector)."""
+    fours = n_blocks // 4 * 4
+    if b < fours:
+        return b - b % 4, 4
+    return fours, 2
+
+
 @njit(**SERIAL)
-def dot_q4_reference(w, o, d, mins, xpair, xs8, xsum8):
+def dot_q4_reference(w, o, d, mins, xg, xs4, xsum4):
     acc = np.float32(0.0)
-    for p in range(d.shape[1] // 2):
-        for lane in range(8):
+    for b in range(xs4.shape[0] // 4):
+        first, size = q4_group(b, d.shape[1])
+        low = BLOCK * first + 16 * (b - first)                     # where block b's values 0-15 sit in xg
+        high = low + 16 * size                                     # and its values 16-31
+        for lane in range(4):
             isum = np.int32(0)
             for k in range(4 * lane, 4 * lane + 4):
-                byte = np.int32(w[o, BLOCK * p + k])              # the pair's 32 bytes
-                isum += (byte & 15) * np.int32(xpair[64 * p + k]) + (byte >> 4) * np.int32(xpair[64 * p + 32 + k])
-            b = 2 * p + lane // 4
-            acc += np.float32(isum) * (d[o, b] * xs8[p, lane]) + mins[o, b] * xsum8[p, lane]
+                byte = np.int32(w[o, 16 * b + k])                  # the block's 16 bytes
+                isum += (byte & 15) * np.int32(xg[low + k]) + (byte >> 4) * np.int32(xg[high + k])
+            acc += np.float32(isum) * (d[o, b] * xs4[4 * b + lane]) + mins[o, b] * xsum4[4 * b + lane]
     return acc
 
 
@@ -97,8 +112,7 @@ dot_int8, dot_int8_block, dot_q4 = dot_int8_reference, dot_int8_block_reference,
 # --- the VNNI versions, in LLVM IR -----------------------------------------------------------------------------
 if HAVE_VNNI:
     _i8, _i32, _f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
-    _V32i8, _V8i32, _V4i32 = ir.VectorType(_i8, 32), ir.VectorType(_i32, 8), ir.VectorType(_i32, 4)
-    _V2f32, _V8f32 = ir.VectorType(_f32, 2), ir.VectorType(_f32, 8)
+    _V8f32, _V16f32 = ir.VectorType(_f32, 8), ir.VectorType(_f32, 16)
     _FAST = ("fast",)
 
     def _llvm_call(builder, name, ret, *args):
@@ -109,40 +123,48 @@ if HAVE_VNNI:
         """vector_type's worth of values from ptr + offset (in elements of ptr), no alignment assumed."""
         return builder.load(builder.bitcast(builder.gep(ptr, [offset]), vector_type.as_pointer()), align=1)
 
-    def _splat(builder, value):
-        """float -> <8 x float> of copies"""
-        v = builder.insert_element(ir.Constant(_V8f32, ir.Undefined), value, ir.Constant(_i32, 0))
-        return builder.shuffle_vector(v, ir.Constant(_V8f32, ir.Undefined), ir.Constant(_V8i32, [0] * 8))
-
     def _dpbusd(builder, acc, unsigned, signed):
-        """acc <8 x i32> + the products of 32 unsigned by 32 signed bytes, each group of 4 summed into one lane."""
-        return _llvm_call(builder, "llvm.x86.avx512.vpdpbusd.256", _V8i32, acc, unsigned, signed)
+        """acc <n x i32> + the products of 4n unsigned by 4n signed bytes, each group of 4 summed into one lane
+        (n = 8 or 16: a 256- or 512-bit vpdpbusd)."""
+        return _llvm_call(builder, f"llvm.x86.avx512.vpdpbusd.{32 * acc.type.count}", acc.type, acc, unsigned,
+                          signed)
 
-    def _row_sum(builder, n_steps, step, row, bytes_per_step):
-        """sum over i < n_steps of step(i) (an <8 x float>) in two running sums, so that consecutive adds do not
-        wait on each other, prefetching the weight row PREFETCH_BYTES ahead. -> the float32 total of the lanes."""
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(_V8f32, [0.0] * 8)) for _ in range(2)]
+    def _row_sum(builder, n_steps, step, row, bytes_per_step, vector_type=_V8f32):
+        """sum over i < n_steps of step(i) (a vector_type of floats) in two running sums, so that consecutive adds
+        do not wait on each other, prefetching the weight row PREFETCH_BYTES ahead. -> the float32 total of the
+        lanes."""
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(vector_type, [0.0] * vector_type.count))
+                for _ in range(2)]
 
         def add(i, acc_ptr):
             builder.store(builder.fadd(builder.load(acc_ptr), step(i), flags=_FAST), acc_ptr)
 
+        def prefetch(offset):
+            _llvm_call(builder, "llvm.prefetch.p0", ir.VoidType(), builder.gep(row, [offset]), ir.Constant(_i32, 0),
+                       ir.Constant(_i32, 3), ir.Constant(_i32, 1))
+
         one, two = ir.Constant(n_steps.type, 1), ir.Constant(n_steps.type, 2)
         with cgutils.for_range(builder, builder.udiv(n_steps, two)) as loop:
             i = builder.mul(loop.index, two)
-            ahead = builder.gep(row, [builder.add(builder.mul(i, ir.Constant(i.type, bytes_per_step)),
-                                                  ir.Constant(i.type, PREFETCH_BYTES))])
-            _llvm_call(builder, "llvm.prefetch.p0", ir.VoidType(), ahead, ir.Constant(_i32, 0),
-                       ir.Constant(_i32, 3), ir.Constant(_i32, 1))
+            ahead = builder.add(builder.mul(i, ir.Constant(i.type, bytes_per_step)), ir.Constant(i.type,
+                                                                                              PREFETCH_BYTES))
+            for line in range(0, 2 * bytes_per_step, 64):                      # each cache line of the two steps
+                prefetch(builder.add(ahead, ir.Constant(i.type, line)))
             add(i, accs[0])
             add(builder.add(i, one), accs[1])
         with builder.if_then(builder.trunc(n_steps, ir.IntType(1))):                        # an odd count
             add(builder.sub(n_steps, one), accs[0])
-        acc = builder.fadd(builder.load(accs[0]), builder.load(accs[1]), flags=_FAST)
-        half = builder.fadd(builder.shuffle_vector(acc, acc, ir.Constant(_V4i32, [0, 1, 2, 3])),        # 8 -> 4
-                            builder.shuffle_vector(acc, acc, ir.Constant(_V4i32, [4, 5, 6, 7])), flags=_FAST)
-        lane = [builder.extract_element(half, ir.Constant(_i32, j)) for j in range(4)]
-        return builder.fadd(builder.fadd(lane[0], lane[1], flags=_FAST),
-                            builder.fadd(lane[2], lane[3], flags=_FAST), flags=_FAST)
+        return _lane_total(builder, builder.fadd(builder.load(accs[0]), builder.load(accs[1]), flags=_FAST))
+
+    def _lane_total(builder, v):
+        """<n x float> -> the float32 sum of its lanes, halving the vector (n a power of two)."""
+        n = v.type.count
+        while n > 1:
+            n //= 2
+            v = builder.fadd(builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_i32, n), list(range(n)))),
+                             builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_i32, n), list(range(n, 2 * n)))),
+                             flags=_FAST)
+        return builder.extract_element(v, ir.Constant(_i32, 0))
 
     def _structs(context, builder, signature, args, names):
         """The intrinsic's arguments by name: arrays as struct proxies (.data, .shape), the row index o as is."""
@@ -150,9 +172,11 @@ if HAVE_VNNI:
                 for name, ty, val in zip(names.split(), signature.args, args)}
 
     def _int8_dot_codegen(kind):
-        """dot_int8 (kind "int8") or dot_int8_block (kind "int8-block"). vpdpbusd needs one unsigned operand:
-        |xq| is unsigned and sign(xq) moves onto the weight (vpsignb), which leaves every product unchanged."""
-        names = {"int8": "w o xq xabs xs", "int8-block": "w o ws xq xabs xs"}[kind]
+        """dot_int8 (kind "int8") or dot_int8_block (kind "int8-block"): a pair of blocks per 512-bit vpdpbusd
+        (lanes 0-7 the first block's, 8-15 the second's), a last odd block in 256 bits. vpdpbusd multiplies
+        unsigned bytes by signed ones: the weight goes in as w + 128 (one xor), the input as it is, and the sums
+        start at xstart (-128 times the input's sums), so they come out as the products of w and xq."""
+        names = {"int8": "w o xq xstart xs", "int8-block": "w o ws xq xstart xs"}[kind]
 
         def codegen(context, builder, signature, args):
             a = _structs(context, builder, signature, args, names)
@@ -165,59 +189,81 @@ if HAVE_VNNI:
                 n_blocks = builder.extract_value(a["ws"].shape, 1)
                 ws_row = builder.gep(a["ws"].data, [builder.mul(o, n_blocks)])
 
-            def block(b):
-                x_off = builder.mul(b, ir.Constant(b.type, BLOCK))
-                w = _load(builder, row, x_off, _V32i8)                                   # 32 x int8
-                w_signed = _llvm_call(builder, "llvm.x86.avx2.psign.b", _V32i8, w, _load(builder, a["xq"].data,
-                                                                                        x_off, _V32i8))  # w * sign(x)
-                isum = _dpbusd(builder, ir.Constant(_V8i32, [0] * 8), _load(builder, a["xabs"].data, x_off, _V32i8),
-                               w_signed)
-                scale = builder.load(builder.gep(xs.data, [b]))
+            def blocks(first, size):                # blocks first .. first+size-1 -> <8*size x float> of terms
+                nbytes, lanes = BLOCK * size, 8 * size
+                bytes_type = ir.VectorType(_i8, nbytes)
+                x_off = builder.mul(first, ir.Constant(first.type, BLOCK))
+                w = builder.xor(_load(builder, row, x_off, bytes_type), ir.Constant(bytes_type, [-128] * nbytes))
+                start = _load(builder, a["xstart"].data, builder.mul(first, ir.Constant(first.type, 8)),
+                              ir.VectorType(_i32, lanes))
+                isum = _dpbusd(builder, start, w, _load(builder, a["xq"].data, x_off, bytes_type))
+                scale = _load(builder, xs.data, first, ir.VectorType(_f32, size))
                 if kind == "int8-block":
-                    scale = builder.fmul(scale, builder.load(builder.gep(ws_row, [b])))
-                return builder.fmul(builder.sitofp(isum, _V8f32), _splat(builder, scale), flags=_FAST)
-            return _row_sum(builder, n_blocks, block, row, BLOCK)
+                    scale = builder.fmul(scale, _load(builder, ws_row, first, ir.VectorType(_f32, size)))
+                eight_each = ir.Constant(ir.VectorType(_i32, lanes), [j // 8 for j in range(lanes)])
+                scale = builder.shuffle_vector(scale, ir.Constant(scale.type, ir.Undefined), eight_each)
+                return builder.fmul(builder.sitofp(isum, ir.VectorType(_f32, lanes)), scale, flags=_FAST)
+            two = ir.Constant(n_blocks.type, 2)
+            n_pairs = builder.udiv(n_blocks, two)
+            total = _row_sum(builder, n_pairs, lambda i: blocks(builder.mul(i, two), 2), row, 2 * BLOCK, _V16f32)
+            result = cgutils.alloca_once_value(builder, total)
+            with builder.if_then(builder.trunc(n_blocks, ir.IntType(1))):                      # an odd last block
+                last = _lane_total(builder, blocks(builder.sub(n_blocks, ir.Constant(n_blocks.type, 1)), 1))
+                builder.store(builder.fadd(builder.load(result), last, flags=_FAST), result)
+            return builder.load(result)
         return codegen
 
     def _q4_dot_codegen(context, builder, signature, args):
-        """dot_q4: one 32-byte load is a pair of blocks' packed bytes; its low nibbles meet xpair's first 32 values
-        and its high nibbles the next 32, so a pair costs one load, two masks and two vpdpbusd. vpdpbusd's lanes
-        0-3 then hold block b's share and 4-7 block b+1's; one shuffle spreads each block's d and min over its
-        four lanes."""
-        a = _structs(context, builder, signature, args, "w o d mins xpair xs8 xsum8")
+        """dot_q4: one 64-byte load is a group of four blocks' packed bytes; its low nibbles meet the group's first
+        64 input values and its high nibbles the next 64, so four blocks cost one load, two masks and two 512-bit
+        vpdpbusd, whose lanes 4j..4j+3 then hold block j's share; one shuffle spreads each block's d and min over
+        its four lanes. A last pair of blocks is the same in 256 bits."""
+        a = _structs(context, builder, signature, args, "w o d mins xg xs4 xsum4")
         o = a["o"]
         row = builder.gep(a["w"].data, [builder.mul(o, builder.extract_value(a["w"].shape, 1))])
         n_blocks = builder.extract_value(a["d"].shape, 1)
         d_row = builder.gep(a["d"].data, [builder.mul(o, n_blocks)])
         mins_row = builder.gep(a["mins"].data, [builder.mul(o, n_blocks)])
-        four_each = ir.Constant(_V8i32, [0, 0, 0, 0, 1, 1, 1, 1])
 
-        def pair(p):
-            c = lambda n: ir.Constant(p.type, n)                                        # noqa: E731
-            packed = _load(builder, row, builder.mul(p, c(BLOCK)), _V32i8)             # 2 blocks x 16 bytes
-            low = builder.and_(packed, ir.Constant(_V32i8, [15] * 32))                 # values 0-15 of b, b+1
-            high = builder.lshr(packed, ir.Constant(_V32i8, [4] * 32))                 # values 16-31
-            x_off = builder.mul(p, c(2 * BLOCK))
-            isum = _dpbusd(builder, ir.Constant(_V8i32, [0] * 8), low, _load(builder, a["xpair"].data, x_off, _V32i8))
-            isum = _dpbusd(builder, isum, high, _load(builder, a["xpair"].data, builder.add(x_off, c(BLOCK)), _V32i8))
+        def group(first, size):                     # blocks first .. first+size-1 -> <4*size x float> of terms
+            c = lambda n: ir.Constant(first.type, n)                                   # noqa: E731
+            nbytes = 16 * size
+            bytes_type, lanes_type = ir.VectorType(_i8, nbytes), ir.VectorType(_f32, 4 * size)
+            packed = _load(builder, row, builder.mul(first, c(16)), bytes_type)        # size blocks x 16 bytes
+            low = builder.and_(packed, ir.Constant(bytes_type, [15] * nbytes))         # values 0-15 of each
+            high = builder.lshr(packed, ir.Constant(bytes_type, [4] * nbytes))         # values 16-31
+            x_off = builder.mul(first, c(BLOCK))
+            isum = _dpbusd(builder, ir.Constant(ir.VectorType(_i32, 4 * size), [0] * 4 * size), low,
+                           _load(builder, a["xg"].data, x_off, bytes_type))
+            isum = _dpbusd(builder, isum, high, _load(builder, a["xg"].data, builder.add(x_off, c(nbytes)),
+                                                      bytes_type))
+            four_each = ir.Constant(ir.VectorType(_i32, 4 * size), [j // 4 for j in range(4 * size)])
             both = lambda ptr: builder.shuffle_vector(                                  # noqa: E731
-                _load(builder, ptr, builder.mul(p, c(2)), _V2f32), ir.Constant(_V2f32, ir.Undefined), four_each)
-            lanes = builder.mul(p, c(8))
-            scale = builder.fmul(both(d_row), _load(builder, a["xs8"].data, lanes, _V8f32), flags=_FAST)
-            term = builder.fmul(builder.sitofp(isum, _V8f32), scale, flags=_FAST)
-            return builder.fadd(term, builder.fmul(both(mins_row), _load(builder, a["xsum8"].data, lanes, _V8f32),
-                                                   flags=_FAST), flags=_FAST)
-        n_pairs = builder.udiv(n_blocks, ir.Constant(n_blocks.type, 2))
-        return _row_sum(builder, n_pairs, pair, row, BLOCK)
+                _load(builder, ptr, first, ir.VectorType(_f32, size)), ir.Constant(ir.VectorType(_f32, size),
+                                                                                   ir.Undefined), four_each)
+            lanes = builder.mul(first, c(4))
+            scale = builder.fmul(both(d_row), _load(builder, a["xs4"].data, lanes, lanes_type), flags=_FAST)
+            term = builder.fmul(builder.sitofp(isum, lanes_type), scale, flags=_FAST)
+            return builder.fadd(term, builder.fmul(both(mins_row), _load(builder, a["xsum4"].data, lanes,
+                                                                          lanes_type), flags=_FAST), flags=_FAST)
+        four = ir.Constant(n_blocks.type, 4)
+        n_fours = builder.udiv(n_blocks, four)
+        total = _row_sum(builder, n_fours, lambda i: group(builder.mul(i, four), 4), row, 64, _V16f32)
+        result = cgutils.alloca_once_value(builder, total)
+        last_pair = builder.icmp_unsigned(">=", builder.urem(n_blocks, four), ir.Constant(n_blocks.type, 2))
+        with builder.if_then(last_pair):
+            pair = _lane_total(builder, group(builder.mul(n_fours, four), 2))
+            builder.store(builder.fadd(builder.load(result), pair, flags=_FAST), result)
+        return builder.load(result)
 
     @intrinsic
-    def dot_int8(typingctx, w, o, xq, xabs, xs):
-        return types.float32(w, o, xq, xabs, xs), _int8_dot_codegen("int8")
+    def dot_int8(typingctx, w, o, xq, xstart, xs):
+        return types.float32(w, o, xq, xstart, xs), _int8_dot_codegen("int8")
 
     @intrinsic
-    def dot_int8_block(typingctx, w, o, ws, xq, xabs, xs):
-        return types.float32(w, o, ws, xq, xabs, xs), _int8_dot_codegen("int8-block")
+    def dot_int8_block(typingctx, w, o, ws, xq, xstart, xs):
+        return types.float32(w, o, ws, xq, xstart, xs), _int8_dot_codegen("int8-block")
 
     @intrinsic
-    def dot_q4(typingctx, w, o, d, mins, xpair, xs8, xsum8):
-        return types.float32(w, o, d, mins, xpair, xs8, xsum8), _q4_dot_codegen
+    def dot_q4(typingctx, w, o, d, mins, xg, xs4, xsum4):
+        return types.float32(w, o, d, mins, xg, xs4, xsum4), _q4_dot_codegen

@@ -20,7 +20,7 @@ from numba.extending import overload
 
 from ..quant import BLOCK
 from .intdot import (dot_int8, dot_int8_block, dot_int8_block_reference, dot_int8_reference, dot_q4,
-                     dot_q4_reference)
+                     dot_q4_reference, q4_group)
 from .numerics import PARALLEL, SERIAL
 
 # Work is split over the cores by blocks of OUT_BLOCK weight rows; a block's rows stay in cache while every input
@@ -213,11 +213,13 @@ _EXACT_DIVIDE = {"nnan", "ninf", "nsz"}
 
 @njit(fastmath=_EXACT_DIVIDE, cache=True, nogil=True)
 def quantize_rows(x):
-    """x [M, I] -> (xq [M, I] int8, xabs = |xq| [M, I] int8, xs [M, ceil(I/32)] block scales): the twin of
-    quant.quantize_activations, rounding identically."""
+    """x [M, I] -> (xq [M, I] int8, xstart [M, I // 32 * 8] int32, xs [M, ceil(I/32)] block scales): the twin of
+    quant.quantize_activations, rounding identically. xstart, for intdot's int8 dots: over the full blocks,
+    -128 times the sum of each 4 consecutive values of xq."""
     M, I = x.shape
     nb = (I + BLOCK - 1) // BLOCK
-    xq, xabs = np.empty((M, I), np.int8), np.empty((M, I), np.int8)
+    xq = np.empty((M, I), np.int8)
+    xstart = np.empty((M, I // BLOCK * (BLOCK // 4)), np.int32)
     xs = np.empty((M, nb), np.float32)
     v = np.empty(BLOCK, np.float32)
     for m in range(M):
@@ -228,13 +230,16 @@ def quantize_rows(x):
             for j in range(n):
                 amax = max(amax, abs(x[m, i0 + j]))
             s = amax / np.float32(127.0) if amax > 0 else np.float32(1.0)
-            for j in range(n):                          # three simple loops, so that each one vectorises
+            for j in range(n):                          # simple loops, so that each one vectorises
                 v[j] = min(max(np.rint(x[m, i0 + j] / s), np.float32(-127.0)), np.float32(127.0))
             for j in range(n):
                 xq[m, i0 + j] = np.int8(v[j])
-                xabs[m, i0 + j] = np.int8(abs(v[j]))
+            if n == BLOCK:
+                for lane in range(BLOCK // 4):
+                    xstart[m, b * (BLOCK // 4) + lane] = np.int32(-128) * np.int32(
+                        v[4 * lane] + v[4 * lane + 1] + v[4 * lane + 2] + v[4 * lane + 3])
             xs[m, b] = s
-    return xq, xabs, xs
+    return xq, xstart, xs
 
 
 @njit(fastmath=_EXACT_DIVIDE, cache=True, nogil=True)
@@ -248,34 +253,33 @@ def round_rows(x):
     return xr
 
 
-def _int8_row_dot(w, o, xq, xabs, xs, vnni):
+def _int8_row_dot(w, o, xq, xstart, xs, vnni):
     """Row o of an int8 weight (w = (q, scale)) times one rounded input row, scales applied (Python body: the
     reference dot products, as a CPU without VNNI runs them)."""
     if w[1].ndim == 2:
-        return dot_int8_block_reference(w[0], o, w[1], xq, xabs, xs)
-    return (_int8_full_blocks(w[0], o, xq, xabs, xs, False) + _int8_short_block(w[0], o, xq, xs)) * w[1][o]
+        return dot_int8_block_reference(w[0], o, w[1], xq, xstart, xs)
+    return (dot_int8_reference(w[0], o, xq, xstart, xs) + _int8_short_block(w[0], o, xq, xs)) * w[1][o]
 
 
 @overload(_int8_row_dot, inline="always")
-def _int8_row_dot_typed(w, o, xq, xabs, xs, vnni):
+def _int8_row_dot_typed(w, o, xq, xstart, xs, vnni):
     if w.types[1].ndim == 2:                                            # one scale per block
-        def per_block(w, o, xq, xabs, xs, vnni):
+        def per_block(w, o, xq, xstart, xs, vnni):
             if vnni:
-                return dot_int8_block(w[0], o, w[1], xq, xabs, xs)
-            return dot_int8_block_reference(w[0], o, w[1], xq, xabs, xs)
+                return dot_int8_block(w[0], o, w[1], xq, xstart, xs)
+            return dot_int8_block_reference(w[0], o, w[1], xq, xstart, xs)
         return per_block
 
-    def per_row(w, o, xq, xabs, xs, vnni):                             # one scale per row; any width
-        return (_int8_full_blocks(w[0], o, xq, xabs, xs, vnni) + _int8_short_block(w[0], o, xq, xs)) * w[1][o]
+    def per_row(w, o, xq, xstart, xs, vnni):                           # one scale per row; any width
+        short = w[0].shape[1] % BLOCK != 0                              # (returns only: no merged variables)
+        if vnni and short:
+            return (dot_int8(w[0], o, xq, xstart, xs) + _int8_short_block(w[0], o, xq, xs)) * w[1][o]
+        if vnni:
+            return dot_int8(w[0], o, xq, xstart, xs) * w[1][o]
+        if short:
+            return (dot_int8_reference(w[0], o, xq, xstart, xs) + _int8_short_block(w[0], o, xq, xs)) * w[1][o]
+        return dot_int8_reference(w[0], o, xq, xstart, xs) * w[1][o]
     return per_row
-
-
-@njit(**SERIAL)
-def _int8_full_blocks(q, o, xq, xabs, xs, vnni):
-    """Row o of q times the rounded row over its full blocks of 32 (dot_int8 or its reference body)."""
-    if vnni:
-        return dot_int8(q, o, xq, xabs, xs)
-    return dot_int8_reference(q, o, xq, xabs, xs)
 
 
 @njit(**SERIAL)
@@ -293,50 +297,52 @@ def _int8_short_block(q, o, xq, xs):
 def linear_int8_a8(w, x, out, vnni):
     """w = (q [O, I] int8, scale [O] or [O, I/32]); x [M, I] is rounded to int8 blocks here -> out [M, O], each
     dot product in integers (the VNNI intrinsics if vnni, else their reference bodies)."""
-    xq, xabs, xs = quantize_rows(x)
+    xq, xstart, xs = quantize_rows(x)
     if vnni:                                   # two loops with a constant each, so that neither carries a branch
         for o in prange(w[0].shape[0]):
             for m in range(xq.shape[0]):
-                out[m, o] = _int8_row_dot(w, o, xq[m], xabs[m], xs[m], True)
+                out[m, o] = _int8_row_dot(w, o, xq[m], xstart[m], xs[m], True)
     else:
         for o in prange(w[0].shape[0]):
             for m in range(xq.shape[0]):
-                out[m, o] = _int8_row_dot(w, o, xq[m], xabs[m], xs[m], False)
+                out[m, o] = _int8_row_dot(w, o, xq[m], xstart[m], xs[m], False)
 
 
 @njit(**SERIAL)
-def _pair_layout(xq, xs):
-    """What dot_q4 reads, per rounded input row (see intdot.py): xpair [M, I] (each pair of blocks' middle quarters
-    swapped; an odd last block as it is), xs8 and xsum8 [M, I/64, 8] (each lane's block scale, and the sum of the 8
-    values the lane multiplies, times that scale)."""
+def _group_layout(xq, xs):
+    """What dot_q4 reads, per rounded input row (see intdot.py): xg [M, I] (the values of each group of blocks,
+    intdot.q4_group, reordered as the nibbles of the group's bytes; an odd last block as it is), xs4 and xsum4
+    [M, 4 * the even block count] (each lane's block scale, and the sum of the 8 values the lane multiplies, times
+    that scale)."""
     M, nb = xs.shape
-    n_pairs = nb // 2
-    xpair = xq.copy()                                       # [M, I]
-    xs8 = np.empty((M, n_pairs, 8), np.float32)             # [M, I/64, 8]
-    xsum8 = np.empty((M, n_pairs, 8), np.float32)           # [M, I/64, 8]
+    n_even = nb - nb % 2
+    xg = xq.copy()                                          # [M, I]
+    xs4 = np.empty((M, 4 * n_even), np.float32)             # [M, 4 * blocks]
+    xsum4 = np.empty((M, 4 * n_even), np.float32)           # [M, 4 * blocks]
     for m in range(M):
-        for p in range(n_pairs):
-            i = 2 * BLOCK * p
+        for b in range(n_even):
+            first, size = q4_group(b, nb)
+            low = BLOCK * first + 16 * (b - first)
             for j in range(16):
-                xpair[m, i + 16 + j] = xq[m, i + 32 + j]
-                xpair[m, i + 32 + j] = xq[m, i + 16 + j]
-            for lane in range(8):
+                xg[m, low + j] = xq[m, BLOCK * b + j]
+                xg[m, low + 16 * size + j] = xq[m, BLOCK * b + 16 + j]
+            for lane in range(4):
                 s = 0
                 for j in range(4 * lane, 4 * lane + 4):
-                    s += np.int32(xpair[m, i + j]) + np.int32(xpair[m, i + 32 + j])
-                xs8[m, p, lane] = xs[m, 2 * p + lane // 4]
-                xsum8[m, p, lane] = np.float32(s) * xs8[m, p, lane]
-    return xpair, xs8, xsum8
+                    s += np.int32(xq[m, BLOCK * b + j]) + np.int32(xq[m, BLOCK * b + 16 + j])
+                xs4[m, 4 * b + lane] = xs[m, b]
+                xsum4[m, 4 * b + lane] = np.float32(s) * xs[m, b]
+    return xg, xs4, xsum4
 
 
 @njit(fastmath=True, cache=True, inline="always")
-def _q4_row_dot(packed, d, mins, xq, xs, xpair, xs8, xsum8, o, m, vnni):
-    """Row o of a 4-bit weight times rounded input row m: its pairs of blocks through dot_q4 (or its reference
+def _q4_row_dot(packed, d, mins, xq, xs, xg, xs4, xsum4, o, m, vnni):
+    """Row o of a 4-bit weight times rounded input row m: its groups of blocks through dot_q4 (or its reference
     body), an odd last block here."""
     if vnni:
-        acc = dot_q4(packed, o, d, mins, xpair[m], xs8[m], xsum8[m])
+        acc = dot_q4(packed, o, d, mins, xg[m], xs4[m], xsum4[m])
     else:
-        acc = dot_q4_reference(packed, o, d, mins, xpair[m], xs8[m], xsum8[m])
+        acc = dot_q4_reference(packed, o, d, mins, xg[m], xs4[m], xsum4[m])
     nb = xs.shape[1]
     if nb % 2:
         last, isum, xsum = nb - 1, 0, 0
@@ -354,12 +360,12 @@ def linear_q4_a8(w, x, out, vnni):
     """w = (packed [O, I/2], d, mins [O, I/32]); x [M, I] is rounded to int8 blocks here -> out [M, O]."""
     packed, d, mins = w
     xq, _, xs = quantize_rows(x)
-    xpair, xs8, xsum8 = _pair_layout(xq, xs)
+    xg, xs4, xsum4 = _group_layout(xq, xs)
     if vnni:                                   # two loops with a constant each, so that neither carries a branch
         for o in prange(packed.shape[0]):
             for m in range(xq.shape[0]):
-                out[m, o] = _q4_row_dot(packed, d, mins, xq, xs, xpair, xs8, xsum8, o, m, True)
+                out[m, o] = _q4_row_dot(packed, d, mins, xq, xs, xg, xs4, xsum4, o, m, True)
     else:
         for o in prange(packed.shape[0]):
             for m in range(xq.shape[0]):
-                out[m, o] = _q4_row_dot(packed, d, mins, xq, xs, xpair, xs8, xsum8, o, m, False)
+                out[m, o] = _q4_row_dot(packed, d, mins, xq, xs, xg, xs4, xsum4, o, m, False)
