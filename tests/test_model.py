@@ -282,6 +282,33 @@ def test_fused_decode_equals_the_op_by_op_blocks(quant, activations, monkeypatch
         m.decode_step(3, m.new_cache(4))
 
 
+def test_the_fused_steps_prepared_operands_follow_the_cache_and_the_layers():
+    """What the fused block takes of the weights and of each cache is built once, not every step. Steps that
+    alternate between two caches, and a copy of the model with other layers (a quantized draft, which starts out
+    sharing the model's attributes), still give the op-by-op logits bit for bit; a cache no longer referenced
+    leaves nothing behind (its storage is not kept alive by the model)."""
+    import gc
+
+    from tinyllm.speculative import quantized_copy
+    m = random_model("llama", dim=64, ffn_dim=64)
+    ids = np.random.default_rng(3).integers(0, 50, 12)
+
+    def run(model, fused):
+        model.fused_decode = fused
+        a, b = model.new_cache(16), model.new_cache(16)
+        out = [model.forward(ids[:4], a), model.forward(ids[:6], b)]
+        for t in ids[6:10]:
+            out += [model.decode_step(t, a), model.decode_step(t, b)]
+        assert (a in model._cache_operands and b in model._cache_operands) == fused
+        return out
+    for make in (lambda: m, lambda: quantized_copy(m, "int8")):     # (the copy made after m has run)
+        model = make()
+        for got, want in zip(run(model, True), run(model, False)):
+            np.testing.assert_array_equal(got, want)
+    gc.collect()
+    assert len(m._cache_operands) == 0
+
+
 def test_a_pass_past_small_m_rows_keeps_attention_off_numba(monkeypatch):
     """Two 70-token prompts in one pass: 140 rows, so the linears run on BLAS (kernels.SMALL_M); attention must
     then run in numpy too (Numba's and BLAS's threads would take turns on the cores), with the same logits."""

@@ -11,6 +11,7 @@ positions, GELU, biases). Weights arrive as canonical named arrays from weights.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,6 +63,8 @@ class Transformer:
         self.quant_report = quant_report or []
         self.jit_s = 0.0                    # seconds spent compiling / loading kernels (numba backend)
         self.fused_decode = True            # a step of a few tokens runs each block as one call (if ops has one)
+        self._block_weights = (None, [])    # (ids of the layers, what the fused block takes of their weights)
+        self._cache_operands = weakref.WeakKeyDictionary()   # cache -> what the fused block takes of it, per layer
         c = config
         self.tok_embed = weights["tok_embed"]                      # [V, D]
         self.lm_head = weights.get("lm_head", self.tok_embed)      # [V, D]; the same array when tied
@@ -281,13 +284,19 @@ class Transformer:
         return self.config.arch == "llama" and not self.config.attn_bias
 
     def _fused_decode_blocks(self, o, x, segment: Segment) -> None:
-        """The fast twin of the `_block` loop for a few new tokens: each layer is one call of o.decode_block,
-        which runs the same kernels with no Python between them (tests/test_model.py checks the two agree)."""
+        """The fast twin of the `_block` loop for a few new tokens: each layer is one call of the compiled block,
+        which runs the same kernels with no Python between them (tests/test_model.py checks the two agree). What
+        the calls take of the weights and of the cache is built once, not every step."""
         c, T, cache, start = self.config, x.shape[0], segment.cache, segment.start
         cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]   # [T, Dh/2] each
-        for i, layer in enumerate(self.layers):
-            o.decode_block(x, layer, cache.k[i], cache.v[i], start, cos, sin, c.n_heads, c.norm_eps,
-                           self._int8_inputs)
+        key = tuple(map(id, self.layers))                  # (a draft made by copying this model has its own layers)
+        if self._block_weights[0] != key:
+            self._block_weights = key, [o.block_weights(layer) for layer in self.layers]
+        caches = self._cache_operands.get(cache)
+        if caches is None or len(caches) != len(self.layers):
+            caches = self._cache_operands[cache] = [o.cache_operands(cache.k[i], cache.v[i], c.n_heads)
+                                                    for i in range(len(self.layers))]
+        o.decode_blocks(x, self._block_weights[1], caches, start, cos, sin, c.n_heads, c.norm_eps, self._int8_inputs)
 
     def _matrices(self) -> list:
         """Every weight that goes through `linear`."""

@@ -24,7 +24,7 @@ import sys
 
 from .. import ops
 from . import blas
-from .block import decode_block
+from .block import block_weights, cache_operands, decode_block, decode_blocks
 from .dispatch import FUSED_ROWS, PREFILL_CHUNK, SMALL_M, attention, linear, paged_attention, swiglu
 from .intdot import HAVE_VNNI
 from .pointwise import apply_rope, rmsnorm
@@ -33,8 +33,8 @@ from .warmup import warmup, warmup_paged
 layernorm, gelu_tanh, softmax, silu, rope_tables = ops.layernorm, ops.gelu_tanh, ops.softmax, ops.silu, ops.rope_tables
 
 __all__ = ["linear", "rmsnorm", "layernorm", "apply_rope", "swiglu", "gelu_tanh", "softmax", "silu", "rope_tables",
-           "attention", "paged_attention", "decode_block", "for_rows", "FUSED_ROWS", "PREFILL_CHUNK", "HAVE_VNNI",
-           "warmup", "warmup_paged"]
+           "attention", "paged_attention", "decode_block", "decode_blocks", "block_weights", "cache_operands",
+           "for_rows", "FUSED_ROWS", "PREFILL_CHUNK", "HAVE_VNNI", "warmup", "warmup_paged"]
 
 
 def for_rows(n_rows: int):

@@ -20,17 +20,38 @@ from .numerics import SERIAL
 from .pointwise import rmsnorm_into, swiglu_into, swiglu_rows_into
 
 
+def block_weights(layer) -> tuple:
+    """What the compiled block takes of one layer's weights (model.LayerWeights): its two norms and its four
+    matrices' arrays. The same every step: the model builds these once."""
+    return (layer.attn_norm, layer.ffn_norm, weight_arrays(layer.wqkv), weight_arrays(layer.wo),
+            weight_arrays(layer.w_in), weight_arrays(layer.w_out))
+
+
+def cache_operands(k_cache, v_cache, n_heads: int) -> tuple:
+    """What the compiled block takes of one layer's cache k_cache, v_cache [S_max, KVH, Dh] (in its stored format:
+    kv_cache.py): values and scales of K and V, and the rows' shape (kv_rows.row_shape_of). The same every step of
+    that cache."""
+    (k, k_scales), (v, v_scales) = kernel_operands(k_cache), kernel_operands(v_cache)
+    return k, k_scales, v, v_scales, row_shape_of(k, k_scales, n_heads // k.shape[1])
+
+
+def decode_blocks(x, weights, caches, start: int, cos, sin, n_heads: int, eps: float, int8_inputs: bool) -> None:
+    """Every Llama block for the T <= FUSED_ROWS new tokens x [T, D] at positions start .. start+T-1, one compiled
+    call per layer, updating x in place and writing their K and V into each layer's cache. weights[i]:
+    block_weights(layer i); caches[i]: cache_operands of layer i's K and V; cos, sin [T, Dh/2]: the rotations of
+    the tokens' positions; int8_inputs: the activations setting."""
+    block, vnni = BLOCKS[int8_inputs], intdot.USE_VNNI
+    for (attn_norm, ffn_norm, wqkv, wo, w_in, w_out), (k, k_scales, v, v_scales, shape) in zip(weights, caches):
+        block(x, attn_norm, ffn_norm, wqkv, wo, w_in, w_out, vnni, k, k_scales, v, v_scales, start, cos, sin,
+              n_heads, eps, shape)
+
+
 def decode_block(x, layer, k_cache, v_cache, start: int, cos, sin, n_heads: int, eps: float,
                  int8_inputs: bool) -> None:
-    """One Llama block (model.LayerWeights `layer`) for the T <= FUSED_ROWS new tokens x [T, D] at positions
-    start .. start+T-1, updating x in place and writing their K and V into this layer's cache k_cache, v_cache
-    [S_max, KVH, Dh] (in its stored format: kv_cache.py). cos, sin [T, Dh/2]: the rotations of their positions.
-    int8_inputs: the activations setting."""
-    (k_cache, k_scales), (v_cache, v_scales) = kernel_operands(k_cache), kernel_operands(v_cache)
-    BLOCKS[int8_inputs](x, layer.attn_norm, layer.ffn_norm, weight_arrays(layer.wqkv), weight_arrays(layer.wo),
-                        weight_arrays(layer.w_in), weight_arrays(layer.w_out), intdot.USE_VNNI,
-                        k_cache, k_scales, v_cache, v_scales, start, cos, sin, n_heads, eps,
-                        row_shape_of(k_cache, k_scales, n_heads // k_cache.shape[1]))
+    """One Llama block (model.LayerWeights `layer`) for the T <= FUSED_ROWS new tokens x [T, D]: decode_blocks
+    for a single layer, its cache k_cache, v_cache [S_max, KVH, Dh]."""
+    decode_blocks(x, [block_weights(layer)], [cache_operands(k_cache, v_cache, n_heads)], start, cos, sin, n_heads,
+                  eps, int8_inputs)
 
 
 def _compile_block(int8_inputs: bool):

@@ -1,0 +1,213 @@
+"""Where one decode step's time goes: the kernels, the glue inside the blocks, and Python around them.
+
+    python benchmarks/step_timeline.py [--formats fp32 native+a8] [--context 256] [--rounds 5] [--no-write]
+
+A decode step (batch 1, `model.decode_step` at a fixed context, as ab_decode.py measures it) is timed whole, and
+then in pieces:
+  blocks      the 30 fused block calls (the compiled block of kernels/block.py) with their arguments built in
+              advance: the step without Python's bookkeeping, the embedding row and the head
+  kernels     the step's kernels alone, in the step's order (per layer wqkv, attention, wo, w_in, w_out; then the
+              head), all from one compiled loop: no Python and none of a block's own work between them
+  wqkv .. head
+              each kernel's share: the kernels' time minus their time with that kernel left out. A kernel timed
+              alone would mislead: 30 layers of a small matrix (or of K/V) fit in the 32 MB L3 cache and would be
+              read from it, where in a step the other weights have pushed them out
+From these: `glue` = blocks - the layer kernels (what a block does between its kernels: RMSNorm, RoPE and the
+cache write, SwiGLU, the residual adds, its allocations, and the 30 calls from Python), `outside` = step - blocks
+- head (forward_batch's Python, the embedding row, the final RMSNorm, argument building). GB/s in brackets: the
+bytes a kernel reads (weights; K/V for attention) over its share. `of bandwidth`: the step's bytes (roofline.py's
+count) over its time, against the read bandwidth measured in this run (roofline.py's method, best of 5 after
+each round). The formats take turns round by round; medians over the rounds. Writes the table into RESULTS.md
+("Decode step timeline").
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "1")   # before numpy loads OpenBLAS (tinyllm/threads.py)
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+from numba import njit  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import tinyllm  # noqa: E402
+from report import machine_info, machine_line, replace_section  # noqa: E402
+from roofline import decode_bytes, read_bandwidth  # noqa: E402
+from tinyllm.kernels import block, intdot  # noqa: E402
+from tinyllm.kernels.attention_kernels import decode_attention  # noqa: E402
+from tinyllm.kernels.dispatch import linear_into  # noqa: E402
+from tinyllm.kernels.kv_formats import kernel_operands  # noqa: E402
+from tinyllm.kernels.kv_rows import row_shape_of  # noqa: E402
+from tinyllm.kernels.linear_kernels import weight_arrays  # noqa: E402
+
+MATRICES = ("wqkv", "wo", "w_in", "w_out")
+
+
+KERNELS = ("wqkv", "attention", "wo", "w_in", "w_out", "head")      # in a step's order; bit i of `which`
+
+
+def _sequence_loop(int8_inputs: bool):
+    """A compiled loop: a step's kernels in its order, those whose bit is set in `which`, `repeats` times
+    (int8_inputs a constant of the code, as in block.py)."""
+    @njit
+    def run(layers, attention_layers, head, x, q, att, qkv, o, gate_up, act, logits, start, shape, vnni, which,
+            repeats):
+        for _ in range(repeats):
+            for (wqkv, wo, w_in, w_out), (k, ks, v, vs) in zip(layers, attention_layers):
+                if which & 1:
+                    linear_into(wqkv, x, qkv, int8_inputs, vnni)
+                if which & 2:
+                    decode_attention(q, k, ks, v, vs, start, att, shape)
+                if which & 4:
+                    linear_into(wo, x, o, int8_inputs, vnni)
+                if which & 8:
+                    linear_into(w_in, x, gate_up, int8_inputs, vnni)
+                if which & 16:
+                    linear_into(w_out, act, o, int8_inputs, vnni)
+            if which & 32:
+                linear_into(head, x, logits, int8_inputs, vnni)
+    return run
+
+
+SEQUENCES = {False: _sequence_loop(False), True: _sequence_loop(True)}
+ALL = 2 ** len(KERNELS) - 1
+
+
+class Timeline:
+    """One format's model, cache and prepared arguments; `measure()` times every piece once (median of steps)."""
+
+    def __init__(self, fmt: str, context: int, steps: int):
+        quant, _, a8 = fmt.partition("+")
+        self.fmt, self.S, self.steps = fmt, context, steps
+        self.model = m = tinyllm.load(quant=None if quant == "fp32" else quant,
+                                      activations="int8" if a8 else "float32")
+        c, self.a8 = m.config, m._int8_inputs
+        self.cache = m.new_cache(context + 2)
+        if context:
+            m.prefill(np.random.default_rng(0).integers(0, 1000, context), self.cache)
+        rng = np.random.default_rng(1)
+        cos, sin = m.rope_cos[context:context + 1], m.rope_sin[context:context + 1]
+        self.layer_args, attention_layers = [], []
+        for i, layer in enumerate(m.layers):
+            (k, ks), (v, vs) = kernel_operands(self.cache.k[i]), kernel_operands(self.cache.v[i])
+            self.shape = row_shape_of(k, ks, c.n_heads // k.shape[1])
+            self.layer_args.append((layer.attn_norm, layer.ffn_norm, *(weight_arrays(getattr(layer, n))
+                                                                       for n in MATRICES),
+                                    intdot.USE_VNNI, k, ks, v, vs, context, cos, sin, c.n_heads, c.norm_eps,
+                                    self.shape))
+            S = context + 1
+            attention_layers.append((k[:S], None if ks is None else ks[:S], v[:S], None if vs is None else vs[:S]))
+        w0 = m.layers[0]
+
+        def rows(n):
+            return rng.standard_normal((1, n)).astype(np.float32)                      # [1, n]
+        x, act = rows(c.dim), rows(w0.w_out.shape[1])
+        self.x = x * 0.1
+        self.sequence_args = (
+            tuple(tuple(weight_arrays(getattr(layer, n)) for n in MATRICES) for layer in m.layers),
+            tuple(attention_layers), weight_arrays(m.lm_head), x,
+            rng.standard_normal((1, c.n_heads, c.head_dim)).astype(np.float32),       # q [1, H, Dh]
+            np.empty((1, c.n_heads, c.head_dim), np.float32),                         # att [1, H, Dh]
+            np.empty((1, w0.wqkv.shape[0]), np.float32), np.empty((1, c.dim), np.float32),
+            np.empty((1, w0.w_in.shape[0]), np.float32), act, np.empty((1, m.lm_head.shape[0]), np.float32),
+            context, self.shape, intdot.USE_VNNI)
+        kv_bytes = sum(a.nbytes for layer in attention_layers for a in layer if a is not None)
+        self.bytes = {"attention": kv_bytes, "head": m.lm_head.nbytes,
+                      **{n: sum(getattr(layer, n).nbytes for layer in m.layers) for n in MATRICES}}
+        self.step_bytes = decode_bytes(m, context)                 # what roofline.py counts for a step
+        self.measure()                                             # compiles the loops, warms the caches
+
+    def _median(self, fn, repeats: int = 1) -> float:
+        times = []
+        for _ in range(self.steps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times)) / repeats
+
+    def measure(self) -> dict:
+        m, S = self.model, self.S
+        out = {}
+
+        def step():
+            self.cache.truncate(S)
+            m.decode_step(100, self.cache)
+        out["step"] = self._median(step)
+        run_block = block.BLOCKS[self.a8]
+
+        def blocks():
+            x = self.x.copy()
+            for args in self.layer_args:
+                run_block(x, *args)
+        out["blocks"] = self._median(blocks)
+        sequence = SEQUENCES[self.a8]
+
+        def kernels(which):
+            return self._median(lambda: sequence(*self.sequence_args, which, 2), 2)
+        out["kernels"] = kernels(ALL)
+        out["layer kernels"] = kernels(ALL - 32)
+        for bit, name in enumerate(KERNELS):
+            out[name] = out["kernels"] - kernels(ALL - 2 ** bit)
+        self.cache.truncate(S)
+        return out
+
+
+def table(results: dict, timelines: dict, bandwidth: float) -> str:
+    head = ("| format | step ms | outside | blocks | glue | kernels | wqkv | attention | wo | w_in | w_out | head | "
+            "step GB/s | of bandwidth |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for fmt, runs in results.items():
+        med = {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
+        t = timelines[fmt]
+        ms = lambda s: f"{s * 1e3:.2f}"                                              # noqa: E731
+        share = lambda k: f"{ms(med[k])} ({t.bytes[k] / med[k] / 1e9:.0f})"           # noqa: E731
+        step_gbs = t.step_bytes / med["step"] / 1e9
+        lines.append(f"| {fmt} | {ms(med['step'])} | {ms(med['step'] - med['blocks'] - med['head'])} | "
+                     f"{ms(med['blocks'])} | {ms(med['blocks'] - med['layer kernels'])} | {ms(med['kernels'])} | "
+                     + " | ".join(share(k) for k in KERNELS) + f" | {step_gbs:.1f} | {step_gbs / bandwidth:.0%} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--formats", nargs="+", default=["fp32", "int8+a8", "int8-block+a8", "native+a8"])
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=60, help="timed calls per piece per round (their median is taken)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-write", action="store_true", help="print the table only")
+    args = p.parse_args(argv)
+    tinyllm.set_threads(args.threads)
+    timelines = {fmt: Timeline(fmt, args.context, args.steps) for fmt in args.formats}
+    results, bandwidths = {fmt: [] for fmt in args.formats}, []
+    for r in range(args.rounds):
+        for fmt, t in timelines.items():
+            results[fmt].append(t.measure())
+        bandwidths.append(read_bandwidth(args.threads, repeats=5))
+        tinyllm.set_threads(args.threads)
+        print(f"round {r + 1}/{args.rounds} done (bandwidth {bandwidths[-1]:.1f} GB/s)", file=sys.stderr)
+    bandwidth = float(np.median(bandwidths))
+    body = table(results, timelines, bandwidth)
+    print(body)
+    if not args.no_write:
+        replace_section("step-timeline", (
+            "## Decode step timeline: where a step's time goes\n\n"
+            f"Measured {time.strftime('%Y-%m-%d %H:%M')} with `python benchmarks/step_timeline.py "
+            f"--context {args.context} --rounds {args.rounds}` on {machine_line(machine_info())}; {args.threads} "
+            f"threads. Batch 1, context {args.context}; milliseconds per step (the median over the rounds), "
+            "each kernel's GB/s in brackets; read bandwidth in this run "
+            f"{', '.join(f'{b:.1f}' for b in bandwidths)} GB/s (median {bandwidth:.1f}). The columns: "
+            "benchmarks/step_timeline.py's docstring.\n\n" + body))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
