@@ -1,6 +1,6 @@
 """Where one decode step's time goes: the kernels, the glue inside the blocks, and Python around them.
 
-    python benchmarks/step_timeline.py [--formats fp32 native+a8] [--context 256] [--rounds 5] [--no-write]
+    python benchmarks/step_timeline.py [--formats fp32 native+a8] [--contexts 0 256] [--rounds 5] [--no-write]
 
 A decode step (batch 1, `model.decode_step` at a fixed context, as ab_decode.py measures it) is timed whole, and
 then in pieces:
@@ -160,37 +160,47 @@ class Timeline:
         return out
 
 
+TARGETS = {"fp32": 0.85, "int8-block+a8": 0.75, "native+a8": 0.75}   # issue 18: a step's share of the bandwidth
+
+
 def table(results: dict, timelines: dict, bandwidth: float) -> str:
-    head = ("| format | step ms | outside | blocks | glue | kernels | wqkv | attention | wo | w_in | w_out | head | "
+    head = ("| format | context | step ms | outside | blocks | glue | kernels | wqkv | attention | wo | w_in | w_out | head | "
             "step GB/s | of bandwidth |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for fmt, runs in results.items():
+    for (fmt, context), runs in results.items():
         med = {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
-        t = timelines[fmt]
+        t = timelines[fmt, context]
         ms = lambda s: f"{s * 1e3:.2f}"                                              # noqa: E731
         share = lambda k: f"{ms(med[k])} ({t.bytes[k] / med[k] / 1e9:.0f})"           # noqa: E731
         step_gbs = t.step_bytes / med["step"] / 1e9
-        lines.append(f"| {fmt} | {ms(med['step'])} | {ms(med['step'] - med['blocks'] - med['head'])} | "
+        lines.append(f"| {fmt} | {context} | {ms(med['step'])} | {ms(med['step'] - med['blocks'] - med['head'])} | "
                      f"{ms(med['blocks'])} | {ms(med['blocks'] - med['layer kernels'])} | {ms(med['kernels'])} | "
                      + " | ".join(share(k) for k in KERNELS) + f" | {step_gbs:.1f} | {step_gbs / bandwidth:.0%} |")
-    return "\n".join(lines)
+    verdicts = []
+    for (fmt, context), runs in results.items():
+        if fmt in TARGETS:
+            step_gbs = timelines[fmt, context].step_bytes / np.median([r["step"] for r in runs]) / 1e9
+            share_of_bandwidth = step_gbs / bandwidth
+            verdicts.append(f"- {fmt} at context {context}: {share_of_bandwidth:.0%} of the read bandwidth (target "
+                            f">= {TARGETS[fmt]:.0%}: {'met' if share_of_bandwidth >= TARGETS[fmt] else 'NOT met'})")
+    return "\n".join(lines + ([""] + verdicts if verdicts else []))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--formats", nargs="+", default=["fp32", "int8+a8", "int8-block+a8", "native+a8"])
-    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--contexts", type=int, nargs="+", default=[0, 256])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=60, help="timed calls per piece per round (their median is taken)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-write", action="store_true", help="print the table only")
     args = p.parse_args(argv)
     tinyllm.set_threads(args.threads)
-    timelines = {fmt: Timeline(fmt, args.context, args.steps) for fmt in args.formats}
-    results, bandwidths = {fmt: [] for fmt in args.formats}, []
+    timelines = {(fmt, S): Timeline(fmt, S, args.steps) for fmt in args.formats for S in args.contexts}
+    results, bandwidths = {key: [] for key in timelines}, []
     for r in range(args.rounds):
-        for fmt, t in timelines.items():
-            results[fmt].append(t.measure())
+        for key, t in timelines.items():
+            results[key].append(t.measure())
         bandwidths.append(read_bandwidth(args.threads, repeats=5))
         tinyllm.set_threads(args.threads)
         print(f"round {r + 1}/{args.rounds} done (bandwidth {bandwidths[-1]:.1f} GB/s)", file=sys.stderr)
@@ -201,8 +211,9 @@ def main(argv=None) -> int:
         replace_section("step-timeline", (
             "## Decode step timeline: where a step's time goes\n\n"
             f"Measured {time.strftime('%Y-%m-%d %H:%M')} with `python benchmarks/step_timeline.py "
-            f"--context {args.context} --rounds {args.rounds}` on {machine_line(machine_info())}; {args.threads} "
-            f"threads. Batch 1, context {args.context}; milliseconds per step (the median over the rounds), "
+            f"--contexts {' '.join(map(str, args.contexts))} --rounds {args.rounds}` on "
+            f"{machine_line(machine_info())}; {args.threads} threads. Batch 1; milliseconds per step (the median "
+            "over the rounds), "
             "each kernel's GB/s in brackets; read bandwidth in this run "
             f"{', '.join(f'{b:.1f}' for b in bandwidths)} GB/s (median {bandwidth:.1f}). The columns: "
             "benchmarks/step_timeline.py's docstring.\n\n" + body))
