@@ -63,7 +63,7 @@ class Transformer:
         self.quant_report = quant_report or []
         self.jit_s = 0.0                    # seconds spent compiling / loading kernels (numba backend)
         self.fused_decode = True            # a step of a few tokens runs each block as one call (if ops has one)
-        self._block_weights = (None, [])    # (ids of the layers, what the fused block takes of their weights)
+        self._block_weights = ((), [])      # (the layers, what the fused block takes of their weights)
         self._cache_operands = weakref.WeakKeyDictionary()   # cache -> what the fused block takes of it, per layer
         c = config
         self.tok_embed = weights["tok_embed"]                      # [V, D]
@@ -289,14 +289,15 @@ class Transformer:
         the calls take of the weights and of the cache is built once, not every step."""
         c, T, cache, start = self.config, x.shape[0], segment.cache, segment.start
         cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]   # [T, Dh/2] each
-        key = tuple(map(id, self.layers))                  # (a draft made by copying this model has its own layers)
-        if self._block_weights[0] != key:
-            self._block_weights = key, [o.block_weights(layer) for layer in self.layers]
+        built_for, weights = self._block_weights          # (a draft made by copying this model has its own layers)
+        if len(built_for) != len(self.layers) or any(a is not b for a, b in zip(built_for, self.layers)):
+            weights = [o.block_weights(layer) for layer in self.layers]
+            self._block_weights = tuple(self.layers), weights
         caches = self._cache_operands.get(cache)
         if caches is None or len(caches) != len(self.layers):
             caches = self._cache_operands[cache] = [o.cache_operands(cache.k[i], cache.v[i], c.n_heads)
                                                     for i in range(len(self.layers))]
-        o.decode_blocks(x, self._block_weights[1], caches, start, cos, sin, c.n_heads, c.norm_eps, self._int8_inputs)
+        o.decode_blocks(x, weights, caches, start, cos, sin, c.n_heads, c.norm_eps, self._int8_inputs)
 
     def _matrices(self) -> list:
         """Every weight that goes through `linear`."""

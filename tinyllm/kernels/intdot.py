@@ -3,7 +3,8 @@
 Converting every int8 or 4-bit weight to float costs more than reading it from memory, so a quantized decode step
 would be bound by arithmetic. With the input rounded to int8 too (quant.quantize_activations: one scale per block
 of 32 values), each block's dot product is an integer sum that AVX-512 VNNI computes in one instruction: vpdpbusd
-multiplies 32 unsigned bytes by 32 signed bytes and adds each group of 4 products into one of 8 int32 lanes.
+multiplies 32 unsigned bytes by 32 signed bytes and adds each group of 4 products into one of 8 int32 lanes (64
+bytes into 16 lanes in its 512-bit form, which the versions here use: two int8 blocks or four 4-bit ones at once).
 
 The contract (what every function here returns, as float32; the callers in linear_kernels.py prepare the inputs):
 
