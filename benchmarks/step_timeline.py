@@ -164,8 +164,8 @@ TARGETS = {"fp32": 0.85, "int8-block+a8": 0.75, "native+a8": 0.75}   # issue 18:
 
 
 def table(results: dict, timelines: dict, bandwidth: float) -> str:
-    head = ("| format | context | step ms | outside | blocks | glue | kernels | wqkv | attention | wo | w_in | w_out | head | "
-            "step GB/s | of bandwidth |")
+    head = ("| format | context | step ms | outside | blocks | glue | kernels | wqkv | attention | wo | w_in | w_out "
+            "| head | step GB/s | of bandwidth |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for (fmt, context), runs in results.items():
         med = {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
