@@ -44,6 +44,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..quant import BLOCK
+from .llvm_ir import call, lane_total, prefetch
 from .numerics import SERIAL
 
 HAVE_VNNI = (not config.DISABLE_JIT and not config.CPU_NAME       # (a portable build targets no host features)
@@ -116,10 +117,6 @@ if HAVE_VNNI:
     _V8f32, _V16f32 = ir.VectorType(_f32, 8), ir.VectorType(_f32, 16)
     _FAST = ("fast",)
 
-    def _llvm_call(builder, name, ret, *args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
-        return builder.call(fn, args)
-
     def _load(builder, ptr, offset, vector_type):
         """vector_type's worth of values from ptr + offset (in elements of ptr), no alignment assumed."""
         return builder.load(builder.bitcast(builder.gep(ptr, [offset]), vector_type.as_pointer()), align=1)
@@ -127,8 +124,7 @@ if HAVE_VNNI:
     def _dpbusd(builder, acc, unsigned, signed):
         """acc <n x i32> + the products of 4n unsigned by 4n signed bytes, each group of 4 summed into one lane
         (n = 8 or 16: a 256- or 512-bit vpdpbusd)."""
-        return _llvm_call(builder, f"llvm.x86.avx512.vpdpbusd.{32 * acc.type.count}", acc.type, acc, unsigned,
-                          signed)
+        return call(builder, f"llvm.x86.avx512.vpdpbusd.{32 * acc.type.count}", acc.type, acc, unsigned, signed)
 
     def _row_sum(builder, n_steps, step, row, bytes_per_step, vector_type=_V8f32):
         """sum over i < n_steps of step(i) (a vector_type of floats) in two running sums, so that consecutive adds
@@ -140,32 +136,18 @@ if HAVE_VNNI:
         def add(i, acc_ptr):
             builder.store(builder.fadd(builder.load(acc_ptr), step(i), flags=_FAST), acc_ptr)
 
-        def prefetch(offset):
-            _llvm_call(builder, "llvm.prefetch.p0", ir.VoidType(), builder.gep(row, [offset]), ir.Constant(_i32, 0),
-                       ir.Constant(_i32, 3), ir.Constant(_i32, 1))
-
         one, two = ir.Constant(n_steps.type, 1), ir.Constant(n_steps.type, 2)
         with cgutils.for_range(builder, builder.udiv(n_steps, two)) as loop:
             i = builder.mul(loop.index, two)
             ahead = builder.add(builder.mul(i, ir.Constant(i.type, bytes_per_step)), ir.Constant(i.type,
                                                                                               PREFETCH_BYTES))
             for line in range(0, 2 * bytes_per_step, 64):                      # each cache line of the two steps
-                prefetch(builder.add(ahead, ir.Constant(i.type, line)))
+                prefetch(builder, builder.gep(row, [builder.add(ahead, ir.Constant(i.type, line))]))
             add(i, accs[0])
             add(builder.add(i, one), accs[1])
         with builder.if_then(builder.trunc(n_steps, ir.IntType(1))):                        # an odd count
             add(builder.sub(n_steps, one), accs[0])
-        return _lane_total(builder, builder.fadd(builder.load(accs[0]), builder.load(accs[1]), flags=_FAST))
-
-    def _lane_total(builder, v):
-        """<n x float> -> the float32 sum of its lanes, halving the vector (n a power of two)."""
-        n = v.type.count
-        while n > 1:
-            n //= 2
-            v = builder.fadd(builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_i32, n), list(range(n)))),
-                             builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_i32, n), list(range(n, 2 * n)))),
-                             flags=_FAST)
-        return builder.extract_element(v, ir.Constant(_i32, 0))
+        return lane_total(builder, builder.fadd(builder.load(accs[0]), builder.load(accs[1]), flags=_FAST))
 
     def _structs(context, builder, signature, args, names):
         """The intrinsic's arguments by name: arrays as struct proxies (.data, .shape), the row index o as is."""
@@ -209,7 +191,7 @@ if HAVE_VNNI:
             total = _row_sum(builder, n_pairs, lambda i: blocks(builder.mul(i, two), 2), row, 2 * BLOCK, _V16f32)
             result = cgutils.alloca_once_value(builder, total)
             with builder.if_then(builder.trunc(n_blocks, ir.IntType(1))):                      # an odd last block
-                last = _lane_total(builder, blocks(builder.sub(n_blocks, ir.Constant(n_blocks.type, 1)), 1))
+                last = lane_total(builder, blocks(builder.sub(n_blocks, ir.Constant(n_blocks.type, 1)), 1))
                 builder.store(builder.fadd(builder.load(result), last, flags=_FAST), result)
             return builder.load(result)
         return codegen
@@ -253,7 +235,7 @@ if HAVE_VNNI:
         result = cgutils.alloca_once_value(builder, total)
         last_pair = builder.icmp_unsigned(">=", builder.urem(n_blocks, four), ir.Constant(n_blocks.type, 2))
         with builder.if_then(last_pair):
-            pair = _lane_total(builder, group(builder.mul(n_fours, four), 2))
+            pair = lane_total(builder, group(builder.mul(n_fours, four), 2))
             builder.store(builder.fadd(builder.load(result), pair, flags=_FAST), result)
         return builder.load(result)
 

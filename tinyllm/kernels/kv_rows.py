@@ -19,11 +19,11 @@ checks and leftover iterations, and ran 1.5x slower. Code is written out for hea
 of 32), the usual ones; any other shape takes a generic path of plain loops in the same IR.
 
 score_rows adds up the products of ROWS_PER_TREE float16 or int8 rows in one reduction tree per head
-(_lane_sums): summing each row's 16 lanes alone was a third of its instructions. Over an int8 cache q is rounded to int8 blocks as well (per
-32 values, a float32 step: kv_cache.query_for, which every twin of attention applies too), so q . k needs no
-widening at all: with AVX-512 VNNI one vpdpbusd multiplies 64 stored bytes by q's levels and sums them in fours
-(llama.cpp's Q8_0 dot product); without it, vpmaddwd takes 32 at a time. Widening each int8 row to float32
-first had made the int8 kernel slower than the float16 one, which reads twice the bytes.
+(_lane_sums): summing each row's 16 lanes alone was a third of its instructions. Over an int8 cache q is rounded
+to int8 blocks as well (per 32 values, a float32 step: kv_cache.query_for, which every twin of attention applies
+too), so q . k needs no widening at all: with AVX-512 VNNI one vpdpbusd multiplies 64 stored bytes by q's levels
+and sums them in fours (llama.cpp's Q8_0 dot product); without it, vpmaddwd takes 32 at a time. Widening each
+int8 row to float32 first had made the int8 kernel slower than the float16 one, which reads twice the bytes.
 
 Which of them a kernel contains is decided when it compiles, by its last argument `shape`: a tuple from
 `row_shape` whose type (how many floats, how many ints) carries the head size and the query heads per KV head, or
@@ -40,6 +40,7 @@ from numba.extending import intrinsic
 
 from .intdot import USE_VNNI
 from .kv_formats import F16C, int8_levels, kv_value
+from .llvm_ir import call, prefetch
 
 HEAD_SIZES = (64, 128)          # the head sizes written out
 LANES = 16                      # float32 values per vector (one AVX-512 register)
@@ -67,14 +68,6 @@ def _address(builder, array, array_type, indices, element):
 def _load(builder, pointer, offset, vector):
     return builder.load(builder.bitcast(builder.gep(pointer, [ir.Constant(_i64, offset)]), vector.as_pointer()),
                         align=1)
-
-
-def _prefetch(builder, address):
-    """Ask for the cache line at address (i8*) to be read into the cache, for reading; no fault if it is not
-    mapped (the rows past the end of a cache)."""
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [address.type, _i32, _i32,
-                                                                                        _i32]), "llvm.prefetch.p0")
-    builder.call(fn, [address, ir.Constant(_i32, 0), ir.Constant(_i32, 3), ir.Constant(_i32, 1)])
 
 
 def _splat(builder, x, n=LANES):
@@ -132,12 +125,6 @@ def _concat(builder, vectors):
     return vectors[0]
 
 
-def _call(builder, name, result_type, *args):
-    """A call of the LLVM intrinsic `name`."""
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(result_type, [a.type for a in args]), name)
-    return builder.call(fn, args)
-
-
 def _halves_to_floats(builder, bits, f16c):
     """float16 bits (<n x i16> or i16) -> float32 (the same shape). Without F16C: kv_formats'
     _half_bits_to_float_int, lane by lane (the exponent and mantissa moved into a float's places, times 2^112;
@@ -169,7 +156,7 @@ def _row(context, builder, values_type, scales_type, values, scales, s, kvh, hea
     row = _address(builder, v, values_type, [s, kvh], element)
     ahead = _address(builder, v, values_type, [builder.add(s, ir.Constant(_i64, PREFETCH_ROWS)), kvh], _i8)
     for line in range(0, head_size * {types.float32: 4, types.uint16: 2, types.int8: 1}[dtype], 64):
-        _prefetch(builder, builder.gep(ahead, [ir.Constant(_i64, line)]))
+        prefetch(builder, builder.gep(ahead, [ir.Constant(_i64, line)]))
     pieces = range(head_size // LANES)
     if dtype == types.float32:
         return [_load(builder, row, LANES * p, _V16f32) for p in pieces]
@@ -177,7 +164,7 @@ def _row(context, builder, values_type, scales_type, values, scales, s, kvh, hea
         return [_halves_to_floats(builder, _load(builder, row, LANES * p, _V16i16), f16c) for p in pieces]
     sc = cgutils.create_struct_proxy(scales_type)(context, builder, value=scales)
     scale_row = _address(builder, sc, scales_type, [s, kvh], _i16)
-    _prefetch(builder, _address(builder, sc, scales_type, [builder.add(s, ir.Constant(_i64, PREFETCH_ROWS)), kvh],
+    prefetch(builder, _address(builder, sc, scales_type, [builder.add(s, ir.Constant(_i64, PREFETCH_ROWS)), kvh],
                                 _i8))
     group_scales = [_splat(builder, _halves_to_floats(builder, builder.load(builder.gep(
         scale_row, [ir.Constant(_i64, g)])), f16c)) for g in range(head_size // INT8_GROUP)]
@@ -195,20 +182,20 @@ def _q_blocks(builder, pieces, scale, vnni):
     ints, factors = [], []
     for g in range(0, len(pieces), per_group):
         group = pieces[g:g + per_group]
-        largest = _call(builder, "llvm.fabs.v16f32", _V16f32, group[0])
+        largest = call(builder, "llvm.fabs.v16f32", _V16f32, group[0])
         nan = builder.fcmp_unordered("uno", group[0], group[0])
         for piece in group[1:]:
-            largest = _call(builder, "llvm.maxnum.v16f32", _V16f32, largest,
-                            _call(builder, "llvm.fabs.v16f32", _V16f32, piece))
+            largest = call(builder, "llvm.maxnum.v16f32", _V16f32, largest,
+                            call(builder, "llvm.fabs.v16f32", _V16f32, piece))
             nan = builder.or_(nan, builder.fcmp_unordered("uno", piece, piece))
-        amax = _call(builder, "llvm.vector.reduce.fmax.v16f32", _f32, largest)
+        amax = call(builder, "llvm.vector.reduce.fmax.v16f32", _f32, largest)
         # (no fast-math flags: the numpy twin, kv_cache.query_for, rounds with the same operations)
         step = builder.select(builder.fcmp_ordered(">", amax, zero), builder.fdiv(ir.Constant(_f32, 127.0), amax),
                               zero)
-        ints += [builder.fptosi(_call(builder, "llvm.rint.v16f32", _V16f32,
+        ints += [builder.fptosi(call(builder, "llvm.rint.v16f32", _V16f32,
                                       builder.fmul(piece, _splat(builder, step))), _V16i32) for piece in group]
         factor = builder.fmul(amax, builder.fmul(scale, ir.Constant(_f32, 1.0 / 127.0)))
-        factors.append(builder.select(_call(builder, "llvm.vector.reduce.or.v16i1", ir.IntType(1), nan),
+        factors.append(builder.select(call(builder, "llvm.vector.reduce.or.v16i1", ir.IntType(1), nan),
                                       ir.Constant(_f32, float("nan")), factor))
     width = 4 * LANES if vnni else INT8_GROUP                  # levels per vector handed on
     levels, starts = [], []
@@ -232,15 +219,15 @@ def _int8_row_dots(context, builder, values_type, scales_type, values, scales, s
     row = _address(builder, v, values_type, [s, kvh], _i8)
     ahead = builder.add(s, ir.Constant(_i64, PREFETCH_ROWS))
     for line in range(0, head_size, 64):
-        _prefetch(builder, builder.gep(_address(builder, v, values_type, [ahead, kvh], _i8),
+        prefetch(builder, builder.gep(_address(builder, v, values_type, [ahead, kvh], _i8),
                                        [ir.Constant(_i64, line)]))
-    _prefetch(builder, _address(builder, sc, scales_type, [ahead, kvh], _i8))
+    prefetch(builder, _address(builder, sc, scales_type, [ahead, kvh], _i8))
     scale_bits = builder.load(builder.bitcast(_address(builder, sc, scales_type, [s, kvh], _i16),
                                               ir.VectorType(_i16, head_size // INT8_GROUP).as_pointer()), align=1)
     if vnni:                                                   # k + 128 as unsigned bytes: one xor per row
         k_blocks = [builder.xor(_load(builder, row, 64 * b, ir.VectorType(_i8, 64)), ir.Constant(
             ir.VectorType(_i8, 64), [-128] * 64)) for b in range(head_size // 64)]
-        return [[_call(builder, "llvm.x86.avx512.vpdpbusd.512", _V16i32, start, k, q)
+        return [[call(builder, "llvm.x86.avx512.vpdpbusd.512", _V16i32, start, k, q)
                  for k, q, start in zip(k_blocks, levels, starts)] for levels, starts in q_blocks], scale_bits
     k_groups = [builder.sext(_load(builder, row, INT8_GROUP * g, ir.VectorType(_i8, INT8_GROUP)), _V32i32)
                 for g in range(head_size // INT8_GROUP)]
@@ -260,8 +247,8 @@ def _q_group_step_and_factor(builder, qa, q_type, t, h, j0, group, scale):
     nan = cgutils.alloca_once_value(builder, ir.Constant(ir.IntType(1), 0))
     with cgutils.for_range(builder, group) as j:
         x = builder.load(_address(builder, qa, q_type, [t, h, builder.add(j0, j.index)], _f32))
-        builder.store(_call(builder, "llvm.maxnum.f32", _f32, builder.load(amax),
-                            _call(builder, "llvm.fabs.f32", _f32, x)), amax)
+        builder.store(call(builder, "llvm.maxnum.f32", _f32, builder.load(amax),
+                            call(builder, "llvm.fabs.f32", _f32, x)), amax)
         builder.store(builder.or_(builder.load(nan), builder.fcmp_unordered("uno", x, x)), nan)
     largest, zero = builder.load(amax), ir.Constant(_f32, 0.0)
     step = builder.select(builder.fcmp_ordered(">", largest, zero),
@@ -425,7 +412,7 @@ def _row_intrinsics(f16c: bool, vnni: bool):
                                        f16c)
                             qj = builder.load(_address(builder, qa, signature.args[0], [t_, h, jj], _f32))
                             if step is not None:                 # an int8 cache: q's int8 level
-                                qj = _call(builder, "llvm.rint.f32", _f32, builder.fmul(qj, step))
+                                qj = call(builder, "llvm.rint.f32", _f32, builder.fmul(qj, step))
                             builder.store(builder.fadd(builder.load(total), builder.fmul(qj, x, flags=_FAST),
                                                        flags=_FAST), total)
                         builder.store(builder.fadd(builder.load(score), builder.fmul(builder.load(total), factor,
