@@ -3,10 +3,12 @@
     python benchmarks/startup.py [--quant native fp32] [--runs 5] [--first-run] [--no-write]
 
 Warm: the Numba cache already filled (run once first); the median of --runs whole processes, alternating the
-formats, wall time from start to exit and the peak resident memory (the process's ru_maxrss). --first-run also
-measures a fresh install's first run: an empty Numba cache directory (NUMBA_CACHE_DIR), so every kernel the
-format needs is compiled, as the stderr line "kernels compiled in X s" reports. Writes the table into RESULTS.md
-("Startup").
+formats, wall time from start to exit and the peak resident memory (the process's ru_maxrss). Two warm cases: the
+converted model mapped from tinyllm's cache (tinyllm/converted.py; a folder of this run, filled by the first run),
+and converting the GGUF file on every load (TINYLLM_CONVERTED=off). --first-run also measures a fresh install's
+first run: an empty Numba cache directory (NUMBA_CACHE_DIR) and an empty converted-model cache, so every kernel
+the format needs is compiled, as the stderr line "kernels compiled in X s" reports. Writes the table into
+RESULTS.md ("Startup").
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -59,40 +62,49 @@ def main(argv=None) -> int:
     ap.add_argument("--first-run", action="store_true", help="also a fresh install's first run (empty cache)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
-    env = dict(os.environ)
-    for quant in args.quant:                                        # fill the cache, and the page cache
+    scratch = tempfile.mkdtemp(prefix="tinyllm-startup-")
+    env = dict(os.environ, TINYLLM_CONVERTED=scratch)               # converted models: this run's own folder
+    cases = {"mapped": env, "converting": dict(env, TINYLLM_CONVERTED="off")}
+    for quant in args.quant:                                        # fill both caches, and the page cache
         run_once(quant, env)
-    walls = {q: [] for q in args.quant}
+    walls = {(q, case): [] for q in args.quant for case in cases}
     for _ in range(args.runs):
         for quant in args.quant:
-            walls[quant].append(run_once(quant, env)["wall_s"])
+            for case, case_env in cases.items():
+                walls[quant, case].append(run_once(quant, case_env)["wall_s"])
     rows = []
     for quant in args.quant:
         info = run_once(quant, env)
         summary = json.loads(info["stdout"].strip().splitlines()[-1]) if info["stdout"].strip() else {}
-        walls[quant].sort()
-        row = dict(quant=quant, wall_s=walls[quant][len(walls[quant]) // 2], runs=walls[quant],
-                   peak_mib=peak_rss_mib(quant, env), load_s=summary.get("load_s"), jit_s=summary.get("jit_s"))
+        row = dict(quant=quant, load_s=summary.get("load_s"), jit_s=summary.get("jit_s"))
+        for case, case_env in cases.items():
+            runs = sorted(walls[quant, case])
+            row[case] = dict(wall_s=runs[len(runs) // 2], runs=runs, peak_mib=peak_rss_mib(quant, case_env))
         if args.first_run:
-            with tempfile.TemporaryDirectory() as cache_dir:
-                first = run_once(quant, dict(env, NUMBA_CACHE_DIR=cache_dir))
+            with tempfile.TemporaryDirectory() as numba_dir, tempfile.TemporaryDirectory() as converted_dir:
+                first = run_once(quant, dict(env, NUMBA_CACHE_DIR=numba_dir, TINYLLM_CONVERTED=converted_dir))
             found = re.search(r"kernels compiled in ([\d.]+) s", first["stderr"])
             row.update(first_run_s=first["wall_s"], compile_s=float(found.group(1)) if found else None,
                        notice="compiling" in first["stderr"])
         rows.append(row)
         print(row, flush=True)
+    shutil.rmtree(scratch, ignore_errors=True)
     lines = ["## Startup: one token from a cold process", "",
              f"Measured {time.strftime('%Y-%m-%d')}, {machine_line(machine_info())}: `python benchmarks/startup.py "
              f"{' '.join(sys.argv[1:] if argv is None else argv)}`. Each run is a whole process of "
              "`scripts/generate.py --prompt Hi --max-new-tokens 1 --quant Q` (chat template: 31 prompt tokens); "
-             f"warm = Numba's cache filled, the median of {args.runs} runs (formats alternating); peak = the "
-             "process's peak resident memory.", "",
-             "| weights | warm: exit after | runs (s) | peak MiB |" + (" first run: exit after | compiling |"
-                                                                      if args.first_run else ""),
-             "|---|---:|---|---:|" + ("---:|---:|" if args.first_run else "")]
+             f"warm = Numba's cache filled, the median of {args.runs} runs (formats and cases alternating); "
+             "mapped = the converted model mapped from tinyllm's cache (filled by a first run), converting = "
+             "`TINYLLM_CONVERTED=off`, the GGUF file converted on every load; peak = the process's peak resident "
+             "memory (the mapped weights' pages and the shared libraries' count in it).", "",
+             "| weights | warm, mapped: exit after | runs (s) | peak MiB | warm, converting: exit after | runs (s) "
+             "| peak MiB |" + (" first run: exit after | compiling |" if args.first_run else ""),
+             "|---|---:|---|---:|---:|---|---:|" + ("---:|---:|" if args.first_run else "")]
     for r in rows:
-        line = (f"| {r['quant']} | {r['wall_s']:.2f} s | {', '.join(f'{w:.2f}' for w in r['runs'])} | "
-                f"{r['peak_mib']:.0f} |")
+        line = f"| {r['quant']} |"
+        for case in cases:
+            line += (f" {r[case]['wall_s']:.2f} s | {', '.join(f'{w:.2f}' for w in r[case]['runs'])} | "
+                     f"{r[case]['peak_mib']:.0f} |")
         if args.first_run:
             line += f" {r['first_run_s']:.1f} s | {r['compile_s']} s |"
         lines.append(line)

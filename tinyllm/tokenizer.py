@@ -197,7 +197,8 @@ class Tokenizer:
             self._first_stage, *self._later_stages = [regex.compile(f"({stage})") for stage in pattern]
 
         # bytes -> id of ordinary tokens (used for the single-byte tokens and by ignore_merges).
-        not_ordinary = set(self._added.values()).union(unreachable_ids)
+        self.unreachable_ids = frozenset(unreachable_ids)
+        not_ordinary = set(self._added.values()).union(self.unreachable_ids)
         self._bytes_to_id: dict[bytes, int] = {}
         for token_id, data in enumerate(self._token_bytes):
             if token_id not in not_ordinary:
@@ -276,6 +277,16 @@ class Tokenizer:
                    bos_id=get("tokenizer.ggml.bos_token_id", int, None),
                    eos_id=get("tokenizer.ggml.eos_token_id", int, None),
                    chat_template=get("tokenizer.chat_template", str, None), ignore_merges=ignore_merges)
+
+    def tables(self) -> dict[str, Any]:
+        """What this tokenizer is built from, as plain values: `Tokenizer(**tok.tables())` rebuilds it (converted.py
+        keeps them on disk, so that a load skips parsing the vocab and merges). The merges come out in rank order,
+        a repeated pair once at its first rank: they merge exactly as the original list did."""
+        pairs = sorted(self._ranks, key=self._ranks.__getitem__)
+        return dict(token_bytes=self._token_bytes, merges=[(*pair, self._merged[pair]) for pair in pairs],
+                    pattern=self.pattern, added_tokens=self._added, special_ids=sorted(self.special_ids),
+                    bos_id=self.bos_id, eos_id=self.eos_id, chat_template=self.chat_template,
+                    ignore_merges=self.ignore_merges, unreachable_ids=sorted(self.unreachable_ids))
 
     @classmethod
     def from_tokenizer_json(cls, path: str | Path) -> "Tokenizer":

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import converted
 from .config import ModelConfig
 from .gguf import GGUFError, GGUFFile
 from .quant import FORMATS, QuantizedWeight, from_gguf_block, quantization_error, quantize
@@ -61,12 +62,17 @@ def load_checkpoint(path: str | Path, quant: str | None = None, head_quant: str 
     elif not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
     elif path.suffix == ".gguf" or _magic(path) == b"GGUF":
+        if (kept := converted.load(path, quant, head_quant)) is not None:
+            return kept                                 # converted by an earlier load: mapped, nothing to do
         config, weights, tokenizer = load_gguf(path, quant)
     else:
         raise CheckpointError(f"{path}: not a .gguf file or a Hugging Face model directory")
     check_finite(weights, str(path))
     weights, report = quantize_weights(weights, quant, head_quant)
-    return config, fuse_layer_matrices(weights, config.n_layers), tokenizer, report
+    weights = fuse_layer_matrices(weights, config.n_layers)
+    if not path.is_dir():
+        converted.save(path, quant, head_quant, config, weights, tokenizer, report)
+    return config, weights, tokenizer, report
 
 
 FUSED = {"wqkv": ("wq", "wk", "wv"), "bqkv": ("bq", "bk", "bv"), "w_in": ("w_gate", "w_up")}
