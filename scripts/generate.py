@@ -24,6 +24,7 @@ EXIT_BAD_INPUT, EXIT_IO_FAILURE, EXIT_INTERRUPTED = 2, 74, 130
 
 try:                     # importing numpy and Numba takes a while: Ctrl-C then must not print a traceback
     import tinyllm  # noqa: E402
+    from tinyllm import converted  # noqa: E402
     from tinyllm.hub import FetchError  # noqa: E402
 except KeyboardInterrupt:
     print("\ninterrupted", file=sys.stderr)
@@ -151,7 +152,9 @@ def _discard_stdout() -> None:
 def _exit_at_once(code: int) -> None:
     """Exit without the interpreter's teardown (freeing Numba's compiled code and some 600 modules took longer
     than a short run's work: benchmarks/RESULTS.md, "Startup"). Everything was written; stdout and stderr are
-    flushed first."""
+    flushed first, and a converted model still being written to tinyllm's cache is finished (or, after Ctrl-C,
+    abandoned)."""
+    converted.wait_for_saves(abandon=code == EXIT_INTERRUPTED)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

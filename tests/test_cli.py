@@ -168,6 +168,27 @@ def test_closed_output_pipe_exits_74(tiny_path):
     assert "broken pipe" in err and "Traceback" not in err and len(error_lines(err)) == 1
 
 
+def test_the_script_leaves_after_its_converted_model_is_written(tmp_path, monkeypatch):
+    # generate.py exits with os._exit, which would cut the thread writing the converted model short
+    path, folder = tmp_path / "m.gguf", tmp_path / "converted"
+    tiny_llama(path)
+    monkeypatch.setenv("TINYLLM_CONVERTED", str(folder))
+    code = ("import runpy, sys, time\n"                        # a slow disk: the write ends after the generation
+            f"sys.path.insert(0, {str(SCRIPT.parent.parent)!r})\n"
+            "from tinyllm import converted\n"
+            "save = converted.save\n"
+            "converted.save = lambda *a: (time.sleep(2), save(*a))[1]\n"
+            f"sys.argv = [{str(SCRIPT)!r}, '--prompt', 'hello', '--raw', '--max-new-tokens', '1', '--model', "
+            f"{str(path)!r}]\n"
+            f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    (entry,) = folder.iterdir()                                    # one whole entry, no partial file
+    assert entry.suffix == ".tinyllm"
+    from tinyllm import converted
+    assert converted.load(path, None, None) is not None
+
+
 def test_ctrl_c_during_imports_exits_130_without_traceback():
     # A KeyboardInterrupt raised by `import tinyllm` itself, as Ctrl-C in the first half second would.
     code = ("import builtins, runpy, sys\n"

@@ -24,6 +24,7 @@ def cache(tmp_path, monkeypatch):
 
 
 def entries(folder):
+    converted.wait_for_saves()                          # (the loads write in a thread)
     return sorted(folder.glob("*.tinyllm")) if folder.exists() else []
 
 
@@ -130,6 +131,18 @@ def test_a_damaged_entry_is_a_miss_and_is_rewritten(tmp_path, cache, damage):
     assert converted.load(path, None, None) is not None  # ...and the entry whole again
 
 
+def test_an_abandoned_save_leaves_no_partial_file(tmp_path, cache, monkeypatch):
+    path = tmp_path / "m.gguf"
+    tiny_llama(path)
+    monkeypatch.setattr(converted, "_abandon", converted.threading.Event())
+    converted._abandon.set()                            # as after Ctrl-C: the writer stops at its first array
+    load_checkpoint(path)
+    assert entries(cache) == [] and list(cache.iterdir()) == []
+    converted._abandon.clear()
+    load_checkpoint(path)
+    assert len(entries(cache)) == 1
+
+
 def test_a_cache_that_cannot_be_written_says_so_and_loads(tmp_path, monkeypatch, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -137,6 +150,7 @@ def test_a_cache_that_cannot_be_written_says_so_and_loads(tmp_path, monkeypatch,
     path = tmp_path / "m.gguf"
     tiny_llama(path)
     config, weights, tokenizer, _ = load_checkpoint(path)
+    converted.wait_for_saves()
     err = capsys.readouterr().err
     assert "could not keep the converted model" in err and len(err.strip().splitlines()) == 1
     assert config.n_layers == 2 and tokenizer.encode("hell") == [tokenizer.tables()["token_bytes"].index(b"hell")]

@@ -31,6 +31,7 @@ import os
 import struct
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -83,9 +84,40 @@ def entry_path(model_path: Path, quant: str | None, head_quant: str | None) -> t
     return folder / f"{model_path.stem}.{name_hash}.{formats}.{key_hash}.tinyllm", key
 
 
+_saving: dict[Path, threading.Thread] = {}     # entry -> the thread writing it
+_abandon = threading.Event()                   # set: writers stop and delete what they wrote
+
+
+class _Abandoned(Exception):
+    pass
+
+
+def save_in_background(model_path: Path, quant: str | None, head_quant: str | None, *converted_model) -> None:
+    """`save` in a thread: writing 0.1-0.5 GB can take seconds on a slow disk, which a first run spends compiling
+    and a warm one generating. The interpreter waits for it at exit (a script that leaves with os._exit calls
+    `wait_for_saves` first), and a load of the same entry waits for it."""
+    found = entry_path(model_path, quant, head_quant)
+    if found is not None:
+        thread = threading.Thread(target=save, args=(model_path, quant, head_quant, *converted_model),
+                                  name="tinyllm-save-converted")
+        _saving[found[0]] = thread
+        thread.start()
+
+
+def wait_for_saves(abandon: bool = False) -> None:
+    """Return once every converted model this process is writing is written, or (abandon=True: the user pressed
+    Ctrl-C) once each writer has stopped after its current array and deleted its partial file."""
+    if abandon:
+        _abandon.set()
+    while _saving:
+        _saving.popitem()[1].join()
+
+
 def load(model_path: Path, quant: str | None, head_quant: str | None):
     """-> (config, weights, tokenizer, quant_report) mapped from the cache, or None (off, absent, stale, damaged)."""
     found = entry_path(model_path, quant, head_quant)
+    if found is not None and found[0] in _saving:
+        _saving.pop(found[0]).join()
     if found is None or not found[0].is_file():
         return None
     path, key = found
@@ -148,6 +180,8 @@ def save(model_path: Path, quant: str | None, head_quant: str | None, config: Mo
             try:
                 f.write(MAGIC + struct.pack("<Q", len(text)) + text)
                 for at, a in layout:
+                    if _abandon.is_set():
+                        raise _Abandoned
                     f.seek(start + at)
                     f.write(np.ascontiguousarray(a).data)
                 f.truncate(start + offset)
@@ -156,6 +190,8 @@ def save(model_path: Path, quant: str | None, head_quant: str | None, config: Mo
             except BaseException:
                 os.unlink(f.name)
                 raise
+    except _Abandoned:
+        return None
     except OSError as e:
         print(f"tinyllm: could not keep the converted model in {path.parent} ({e.strerror or e}); each load will "
               f"convert the file again (TINYLLM_CONVERTED=off silences this)", file=sys.stderr)

@@ -71,7 +71,7 @@ def load_checkpoint(path: str | Path, quant: str | None = None, head_quant: str 
     weights, report = quantize_weights(weights, quant, head_quant)
     weights = fuse_layer_matrices(weights, config.n_layers)
     if not path.is_dir():
-        converted.save(path, quant, head_quant, config, weights, tokenizer, report)
+        converted.save_in_background(path, quant, head_quant, config, weights, tokenizer, report)
     return config, weights, tokenizer, report
 
 
