@@ -1,5 +1,6 @@
 """The converted-model cache (tinyllm/converted.py): a mapped load gives exactly what converting gives, and a stale,
 damaged or hostile entry is never used."""
+import hashlib
 import json
 import os
 import struct
@@ -93,8 +94,8 @@ def test_a_changed_model_file_or_converting_code_is_converted_again(tmp_path, ca
     assert converted.load(path, None, None) is None
 
 
-@pytest.mark.parametrize("damage", ["truncated", "bad magic", "header not json", "header past the end",
-                                    "object dtype", "other key", "array past the end"])
+@pytest.mark.parametrize("damage", ["truncated", "bad magic", "header bit flip", "header not json",
+                                    "header past the end", "object dtype", "other key", "array past the end"])
 def test_a_damaged_entry_is_a_miss_and_is_rewritten(tmp_path, cache, damage):
     path = tmp_path / "m.gguf"
     tiny_llama(path)
@@ -102,18 +103,24 @@ def test_a_damaged_entry_is_a_miss_and_is_rewritten(tmp_path, cache, damage):
     (entry,) = entries(cache)
     data = bytearray(entry.read_bytes())
     (n,) = struct.unpack_from("<Q", data, 8)
-    header = json.loads(data[16:16 + n])
+    header = json.loads(data[48:48 + n])                # after the magic, the length and the header's sha256
 
-    def with_header(h):
+    def with_header(h):                                 # an edited header, hashed as the writer would
         text = json.dumps(h, separators=(",", ":")).encode()
-        assert len(text) <= n, "the edited header fits where the old one was"
-        return data[:16] + text + b" " * (n - len(text)) + data[16 + n:]       # the same length: padded
+        text += b" " * (n - len(text))                  # the same length: the arrays stay where they are
+        assert len(text) == n, "the edited header fits where the old one was"
+        return data[:16] + hashlib.sha256(text).digest() + text + data[48 + n:]
     if damage == "truncated":
         data = data[:len(data) // 2]
     elif damage == "bad magic":
         data[:8] = b"NOTMINE!"
+    elif damage == "header bit flip":                  # valid JSON still, but not what was hashed
+        at = data.index(b'"n_layers": 2', 48)
+        data[at + 12] = ord("9")
     elif damage == "header not json":
-        data[16:20] = b"\xff\xfe{["
+        data = with_header(header)
+        data[48:52] = b"\xff\xfe{["
+        data[16:48] = hashlib.sha256(data[48:48 + n]).digest()
     elif damage == "header past the end":
         data[8:16] = struct.pack("<Q", len(data))
     elif damage == "object dtype":

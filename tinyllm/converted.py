@@ -7,14 +7,16 @@ file in the cache folder, and later loads map that file (llama.cpp's way of load
 the kernels read them, so nothing is read or copied at load; the pages come in when the forward pass first
 touches them, and processes running the same model share them).
 
-    file   = b"TINYLLM1" | u64 header length | header (JSON) | zeros to a 64-byte boundary | arrays
+    file   = b"TINYLLM1" | u64 header length | sha256 of the header | header (JSON) | zeros to 64 bytes | arrays
     header = {"key", "config", "report", "weights": {name: {"class", "arrays": [[dtype, shape, offset], ...]}},
               "tokenizer": {"fields", "arrays": [bytes, starts, merges]}}    (offsets from the arrays' start)
 
 An entry is valid only for the same model file (path, size, inode, change times), the same formats, and the same
 source of the code that converts (CONVERTING_SOURCES: weights.py, quant.py, gguf.py, the tokenizer's): editing
 any of them starts a new entry, and the stale one is deleted when the new one is written. A file that is short,
-or whose header does not parse or match, is a miss: the model is converted again and the entry rewritten.
+or whose header does not match its hash, parse or match the key, is a miss: the model is converted again and the
+entry rewritten. (The header's hash guards the shapes and offsets the kernels will trust; a flipped bit in the
+arrays would give wrong numbers, not a crash.)
 No pickle: the header is JSON, the arrays are raw bytes with their dtype and shape in the header.
 
 The folder is ~/.cache/tinyllm/converted ($TINYLLM_CACHE/converted when that is set, beside the tokenizer suite);
@@ -41,6 +43,7 @@ from .quant import Int8Block, Int8Channel, Q4Block, QuantizedWeight
 from .tokenizer import Tokenizer
 
 MAGIC = b"TINYLLM1"
+PREAMBLE = len(MAGIC) + 8 + 32   # magic, header length, header hash
 ALIGN = 64          # every array starts on a cache line (and the kernels' loads are aligned as in memory)
 WEIGHT_CLASSES = {cls.__name__: cls for cls in (Int8Channel, Int8Block, Q4Block)}
 CONVERTING_SOURCES = ("weights.py", "quant.py", "gguf.py", "tokenizer.py", "pretokenize.py", "config.py",
@@ -98,8 +101,7 @@ def save_in_background(model_path: Path, quant: str | None, head_quant: str | No
     `wait_for_saves` first), and a load of the same entry waits for it."""
     found = entry_path(model_path, quant, head_quant)
     if found is not None:
-        thread = threading.Thread(target=save, args=(model_path, quant, head_quant, *converted_model),
-                                  name="tinyllm-save-converted")
+        thread = threading.Thread(target=_write, args=(*found, *converted_model), name="tinyllm-save-converted")
         _saving[found[0]] = thread
         thread.start()
 
@@ -116,8 +118,8 @@ def wait_for_saves(abandon: bool = False) -> None:
 def load(model_path: Path, quant: str | None, head_quant: str | None):
     """-> (config, weights, tokenizer, quant_report) mapped from the cache, or None (off, absent, stale, damaged)."""
     found = entry_path(model_path, quant, head_quant)
-    if found is not None and found[0] in _saving:
-        _saving.pop(found[0]).join()
+    if found is not None and (writer := _saving.pop(found[0], None)) is not None:
+        writer.join()
     if found is None or not found[0].is_file():
         return None
     path, key = found
@@ -146,9 +148,11 @@ def save(model_path: Path, quant: str | None, head_quant: str | None, config: Mo
     delete stale entries of the same model and formats. -> its path, or None (cache off, or it could not be
     written: a note on stderr says why, and loads go on converting)."""
     found = entry_path(model_path, quant, head_quant)
-    if found is None:
-        return None
-    path, key = found
+    return None if found is None else _write(*found, config, weights, tokenizer, report)
+
+
+def _write(path: Path, key: dict, config: ModelConfig, weights: dict, tokenizer: Tokenizer,
+           report: list[dict]) -> Path | None:
     layout, offset = [], 0
 
     def place(a: np.ndarray) -> list:
@@ -173,12 +177,12 @@ def save(model_path: Path, quant: str | None, head_quant: str | None, config: Mo
         place(np.concatenate([[0], np.cumsum(lengths)])),                          # [V + 1] where each one starts
         place(np.array(merges, np.int32).reshape(-1, 3))]}                          # [merges, 3] left, right, merged
     text = json.dumps(header).encode("utf-8")
-    start = -(-(len(MAGIC) + 8 + len(text)) // ALIGN) * ALIGN
+    start = -(-(PREAMBLE + len(text)) // ALIGN) * ALIGN
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path.parent, prefix=path.name, suffix=".part", delete=False) as f:
             try:
-                f.write(MAGIC + struct.pack("<Q", len(text)) + text)
+                f.write(MAGIC + struct.pack("<Q", len(text)) + hashlib.sha256(text).digest() + text)
                 for at, a in layout:
                     if _abandon.is_set():
                         raise _Abandoned
@@ -212,15 +216,16 @@ def _tokenizer(fields: dict, blob: np.ndarray, starts: np.ndarray, merges: np.nd
 
 def _read_header(data) -> tuple[dict, int]:
     """(header, where the arrays start); ValueError if the file is not a whole entry."""
-    if len(data) < len(MAGIC) + 8 or data[:len(MAGIC)] != MAGIC:
+    if len(data) < PREAMBLE or data[:len(MAGIC)] != MAGIC:
         raise ValueError("not a converted tinyllm model")
     (n,) = struct.unpack_from("<Q", data, len(MAGIC))
-    if len(MAGIC) + 8 + n > len(data):
-        raise ValueError("header runs past the end")
-    header = json.loads(bytes(data[len(MAGIC) + 8:len(MAGIC) + 8 + n]))
+    text = bytes(data[PREAMBLE:PREAMBLE + n])
+    if hashlib.sha256(text).digest() != data[PREAMBLE - 32:PREAMBLE]:   # (a header cut short fails too)
+        raise ValueError("the header is cut short or damaged")
+    header = json.loads(text)
     if not isinstance(header, dict):
         raise ValueError("header is not an object")
-    return header, -(-(len(MAGIC) + 8 + n) // ALIGN) * ALIGN
+    return header, -(-(PREAMBLE + n) // ALIGN) * ALIGN
 
 
 def _array(data, start: int, spec) -> np.ndarray:
