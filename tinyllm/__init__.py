@@ -25,7 +25,8 @@ __all__ = ["load", "generate", "stream", "set_threads", "Transformer", "ModelCon
 
 def load(path: str | Path | None = None, quant: str | None = None, backend: str = "numba",
          activations: str = "float32", head_quant: str | None = None) -> Transformer:
-    """Load a model: a .gguf file, a Hugging Face directory, or (path=None) the default model.
+    """Load a model: a .gguf file, a Hugging Face directory, or (path=None) the default model. A GGUF file's first
+    load in a format keeps the converted model on disk, and later loads map it (converted.py).
 
     quant: None / "fp32" keeps float32 weights (dequantized from the file's storage type); "int8" (one scale
     per row), "int8-block" (one scale per 32 values), "q4_1" (4-bit, scale and minimum per 32 values)
