@@ -3,7 +3,8 @@
     python benchmarks/startup.py [--quant native fp32] [--runs 5] [--first-run] [--no-write]
 
 Warm: the Numba cache already filled (run once first); the median of --runs whole processes, alternating the
-formats, wall time from start to exit and the peak resident memory (the process's ru_maxrss). Two warm cases: the
+formats, wall time from start to exit and the peak resident memory (the process's ru_maxrss), with Python's
+bytecode cache on (PYTHONDONTWRITEBYTECODE is removed from the runs' environment). Two warm cases: the
 converted model mapped from tinyllm's cache (tinyllm/converted.py; a folder of this run, filled by the first run),
 and converting the GGUF file on every load (TINYLLM_CONVERTED=off). --first-run also measures a fresh install's
 first run: an empty Numba cache directory (NUMBA_CACHE_DIR) and an empty converted-model cache, so every kernel
@@ -64,6 +65,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     scratch = tempfile.mkdtemp(prefix="tinyllm-startup-")
     env = dict(os.environ, TINYLLM_CONVERTED=scratch)               # converted models: this run's own folder
+    env.pop("PYTHONDONTWRITEBYTECODE", None)    # as Python runs by default: modules compiled once, then cached
     cases = {"mapped": env, "converting": dict(env, TINYLLM_CONVERTED="off")}
     for quant in args.quant:                                        # fill both caches, and the page cache
         run_once(quant, env)
