@@ -6,7 +6,8 @@
     print(out.text, out.stats.summary())
 
 Read the code in the order a token travels: tokenizer.py -> model.py (ops.py, kv_cache.py) -> sampling.py
--> generate.py; kernels/ holds the compiled twins of ops.py. Weights come from weights.py (gguf.py for GGUF files); hub.py fetches the default model.
+-> generate.py; kernels/ holds the compiled twins of ops.py. Weights come from weights.py (gguf.py for GGUF files;
+converted.py keeps a converted file on disk for the next load); hub.py fetches the default model.
 """
 from __future__ import annotations
 
