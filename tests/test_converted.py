@@ -94,6 +94,17 @@ def test_a_changed_model_file_or_converting_code_is_converted_again(tmp_path, ca
     assert converted.load(path, None, None) is None
 
 
+def test_entries_of_a_deleted_model_file_go_when_another_is_written(tmp_path, cache):
+    gone, kept = tmp_path / "gone.gguf", tmp_path / "kept.gguf"
+    tiny_llama(gone)
+    tiny_llama(kept, seed=1)
+    load_checkpoint(gone)
+    (entry,) = entries(cache)
+    gone.unlink()
+    load_checkpoint(kept)
+    assert entries(cache) != [] and entry not in entries(cache)
+
+
 @pytest.mark.parametrize("damage", ["truncated", "bad magic", "header bit flip", "header not json",
                                     "header past the end", "object dtype", "other key", "array past the end"])
 def test_a_damaged_entry_is_a_miss_and_is_rewritten(tmp_path, cache, damage):

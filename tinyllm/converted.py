@@ -13,7 +13,8 @@ touches them, and processes running the same model share them).
 
 An entry is valid only for the same model file (path, size, inode, change times), the same formats, and the same
 source of the code that converts (CONVERTING_SOURCES: weights.py, quant.py, gguf.py, the tokenizer's): editing
-any of them starts a new entry, and the stale one is deleted when the new one is written. A file that is short,
+any of them starts a new entry, and the stale one is deleted when the new one is written (so are entries whose
+model file is gone). A file that is short,
 or whose header does not match its hash, parse or match the key, is a miss: the model is converted again and the
 entry rewritten. (The header's hash guards the shapes and offsets the kernels will trust; a flipped bit in the
 arrays would give wrong numbers, not a crash.)
@@ -202,9 +203,20 @@ def _write(path: Path, key: dict, config: ModelConfig, weights: dict, tokenizer:
         return None
     stale = f"{path.name.rsplit('.', 2)[0]}."                      # the same model and formats, another key
     for other in path.parent.iterdir():
-        if other.name.startswith(stale) and other.name.endswith(".tinyllm") and other != path:
+        if other.suffix == ".tinyllm" and other != path and (other.name.startswith(stale) or _orphaned(other)):
             other.unlink(missing_ok=True)
     return path
+
+
+def _orphaned(entry: Path) -> bool:
+    """Whether the model file `entry` was converted from is gone (a deleted clone or download: its entries would
+    only take disk space), or the entry is unreadable."""
+    try:
+        with open(entry, "rb") as f:
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        return not Path(_read_header(data)[0]["key"]["model"]).exists()
+    except (OSError, ValueError, KeyError, TypeError, RecursionError, struct.error):
+        return True
 
 
 def _tokenizer(fields: dict, blob: np.ndarray, starts: np.ndarray, merges: np.ndarray) -> Tokenizer:
