@@ -55,6 +55,23 @@ def test_every_case_of_the_suite(suite_dir, name):
         assert tok.decode(expected) == text
 
 
+@pytest.mark.parametrize("name", BYTE_LEVEL_BPE)
+def test_every_case_after_a_round_trip_through_the_converted_model_cache(suite_dir, name, tmp_path, monkeypatch):
+    """The tables converted.py keeps on disk rebuild each vocab exactly (repeated merges, plain-text tokens,
+    ignore_merges, staged pre-tokenizers): written to a cache entry, mapped back, every case encodes the same."""
+    from tinyllm import converted
+    from tinyllm.config import ModelConfig
+    monkeypatch.setenv("TINYLLM_CONVERTED", str(tmp_path))
+    tok = load(name, suite_dir)
+    config = ModelConfig("llama", tok.vocab_size, 32, 1, 1, 1, 32, 64)
+    source = suite.vocab_path(name, suite_dir)
+    converted.save(source, None, None, config, {}, tok, [])
+    rebuilt = converted.load(source, None, None)[2]
+    assert rebuilt.tables() == tok.tables()
+    cases = suite.read_cases(source)
+    assert [rebuilt.encode(text, allow_special=False) for text, _ in cases] == [expected for _, expected in cases]
+
+
 @pytest.mark.parametrize("name,message", REFUSED.items())
 def test_other_tokenizer_models_are_refused_clearly(suite_dir, name, message):
     with pytest.raises(ValueError, match=f"tokenizer.ggml.model is {message}: tinyllm implements only byte-level"):

@@ -283,8 +283,8 @@ class Tokenizer:
         keeps them on disk, so that a load skips parsing the vocab and merges). The merges come out in rank order,
         a repeated pair once at its first rank: they merge exactly as the original list did."""
         pairs = sorted(self._ranks, key=self._ranks.__getitem__)
-        return dict(token_bytes=self._token_bytes, merges=[(*pair, self._merged[pair]) for pair in pairs],
-                    pattern=self.pattern, added_tokens=self._added, special_ids=sorted(self.special_ids),
+        return dict(token_bytes=list(self._token_bytes), merges=[(*pair, self._merged[pair]) for pair in pairs],
+                    pattern=self.pattern, added_tokens=dict(self._added), special_ids=sorted(self.special_ids),
                     bos_id=self.bos_id, eos_id=self.eos_id, chat_template=self.chat_template,
                     ignore_merges=self.ignore_merges, unreachable_ids=sorted(self.unreachable_ids))
 
