@@ -165,7 +165,7 @@ def _row(context, builder, values_type, scales_type, values, scales, s, kvh, hea
     sc = cgutils.create_struct_proxy(scales_type)(context, builder, value=scales)
     scale_row = _address(builder, sc, scales_type, [s, kvh], _i16)
     prefetch(builder, _address(builder, sc, scales_type, [builder.add(s, ir.Constant(_i64, PREFETCH_ROWS)), kvh],
-                                _i8))
+                               _i8))
     group_scales = [_splat(builder, _halves_to_floats(builder, builder.load(builder.gep(
         scale_row, [ir.Constant(_i64, g)])), f16c)) for g in range(head_size // INT8_GROUP)]
     return [builder.fmul(builder.sitofp(_load(builder, row, LANES * p, _V16i8), _V16f32),
@@ -186,14 +186,14 @@ def _q_blocks(builder, pieces, scale, vnni):
         nan = builder.fcmp_unordered("uno", group[0], group[0])
         for piece in group[1:]:
             largest = call(builder, "llvm.maxnum.v16f32", _V16f32, largest,
-                            call(builder, "llvm.fabs.v16f32", _V16f32, piece))
+                           call(builder, "llvm.fabs.v16f32", _V16f32, piece))
             nan = builder.or_(nan, builder.fcmp_unordered("uno", piece, piece))
         amax = call(builder, "llvm.vector.reduce.fmax.v16f32", _f32, largest)
         # (no fast-math flags: the numpy twin, kv_cache.query_for, rounds with the same operations)
         step = builder.select(builder.fcmp_ordered(">", amax, zero), builder.fdiv(ir.Constant(_f32, 127.0), amax),
                               zero)
         ints += [builder.fptosi(call(builder, "llvm.rint.v16f32", _V16f32,
-                                      builder.fmul(piece, _splat(builder, step))), _V16i32) for piece in group]
+                                     builder.fmul(piece, _splat(builder, step))), _V16i32) for piece in group]
         factor = builder.fmul(amax, builder.fmul(scale, ir.Constant(_f32, 1.0 / 127.0)))
         factors.append(builder.select(call(builder, "llvm.vector.reduce.or.v16i1", ir.IntType(1), nan),
                                       ir.Constant(_f32, float("nan")), factor))
@@ -220,7 +220,7 @@ def _int8_row_dots(context, builder, values_type, scales_type, values, scales, s
     ahead = builder.add(s, ir.Constant(_i64, PREFETCH_ROWS))
     for line in range(0, head_size, 64):
         prefetch(builder, builder.gep(_address(builder, v, values_type, [ahead, kvh], _i8),
-                                       [ir.Constant(_i64, line)]))
+                                      [ir.Constant(_i64, line)]))
     prefetch(builder, _address(builder, sc, scales_type, [ahead, kvh], _i8))
     scale_bits = builder.load(builder.bitcast(_address(builder, sc, scales_type, [s, kvh], _i16),
                                               ir.VectorType(_i16, head_size // INT8_GROUP).as_pointer()), align=1)
@@ -248,7 +248,7 @@ def _q_group_step_and_factor(builder, qa, q_type, t, h, j0, group, scale):
     with cgutils.for_range(builder, group) as j:
         x = builder.load(_address(builder, qa, q_type, [t, h, builder.add(j0, j.index)], _f32))
         builder.store(call(builder, "llvm.maxnum.f32", _f32, builder.load(amax),
-                            call(builder, "llvm.fabs.f32", _f32, x)), amax)
+                           call(builder, "llvm.fabs.f32", _f32, x)), amax)
         builder.store(builder.or_(builder.load(nan), builder.fcmp_unordered("uno", x, x)), nan)
     largest, zero = builder.load(amax), ir.Constant(_f32, 0.0)
     step = builder.select(builder.fcmp_ordered(">", largest, zero),
