@@ -44,8 +44,6 @@ from roofline import decode_bytes, read_bandwidth  # noqa: E402
 from tinyllm.kernels import block, intdot  # noqa: E402
 from tinyllm.kernels.attention_kernels import decode_attention  # noqa: E402
 from tinyllm.kernels.dispatch import linear_into  # noqa: E402
-from tinyllm.kernels.kv_formats import kernel_operands  # noqa: E402
-from tinyllm.kernels.kv_rows import row_shape_of  # noqa: E402
 from tinyllm.kernels.linear_kernels import weight_arrays  # noqa: E402
 
 MATRICES = ("wqkv", "wo", "w_in", "w_out")
@@ -97,12 +95,9 @@ class Timeline:
         cos, sin = m.rope_cos[context:context + 1], m.rope_sin[context:context + 1]
         self.layer_args, attention_layers = [], []
         for i, layer in enumerate(m.layers):
-            (k, ks), (v, vs) = kernel_operands(self.cache.k[i]), kernel_operands(self.cache.v[i])
-            self.shape = row_shape_of(k, ks, c.n_heads // k.shape[1])
-            self.layer_args.append((layer.attn_norm, layer.ffn_norm, *(weight_arrays(getattr(layer, n))
-                                                                       for n in MATRICES),
-                                    intdot.USE_VNNI, k, ks, v, vs, context, cos, sin, c.n_heads, c.norm_eps,
-                                    self.shape))
+            k, ks, v, vs, self.shape = block.cache_operands(self.cache.k[i], self.cache.v[i], c.n_heads)
+            self.layer_args.append((*block.block_weights(layer), intdot.USE_VNNI, k, ks, v, vs, context, cos, sin,
+                                    c.n_heads, c.norm_eps, self.shape))      # as model._fused_decode_blocks passes
             S = context + 1
             attention_layers.append((k[:S], None if ks is None else ks[:S], v[:S], None if vs is None else vs[:S]))
         w0 = m.layers[0]
