@@ -199,11 +199,39 @@ def test_decode_attention_matches_numpy(S, H, KVH, Dh):
 def test_causal_attention_matches_numpy(T, start, H, KVH, Dh):
     """Several query tokens (a prompt chunk, a speculative verification) after `start` cached positions: up to
     FEW_TOKENS the flash-decoding kernel (with chunks that a token sees in part or not at all), more the tiled
-    kernel (query blocks of 16 and key blocks of 64 cut anywhere, a head size that is not a multiple of 4)."""
+    kernel (query blocks of 32 and key blocks of 64 cut anywhere, a head size that is not a multiple of 16)."""
     q = RNG.normal(size=(T, H, Dh)).astype(np.float32)
     k = RNG.normal(size=(start + T, KVH, Dh)).astype(np.float32)
     v = RNG.normal(size=(start + T, KVH, Dh)).astype(np.float32)
     np.testing.assert_allclose(kernels.attention(q, k, v, start), ops.attention(q, k, v, start), atol=1e-5)
+
+
+@pytest.mark.parametrize("M, K, N", [(8, 64, 16), (64, 64, 48), (96, 64, 64), (16, 5, 80), (8, 1, 128), (24, 33, 112)])
+@pytest.mark.parametrize("a_transposed", [False, True])
+def test_register_tiles_multiply_like_numpy(M, K, N, a_transposed):
+    """register_tiles.product (prefill attention's two products): tiles of 8 rows and 3, 2 or 1 vectors of 16
+    columns, A read as it is or transposed, against numpy; and the LLVM IR tile against its plain-loop twin."""
+    from numba import njit
+
+    from tinyllm.kernels.register_tiles import product, product_tile, product_tile_reference
+    a = RNG.normal(size=(K, M) if a_transposed else (M, K)).astype(np.float32)
+    b = RNG.normal(size=(K, N)).astype(np.float32)
+    c = np.full((M, N), np.nan, dtype=np.float32)
+    product(a, b, c, a_transposed)
+    np.testing.assert_allclose(c, (a.T if a_transposed else a) @ b, rtol=1e-5, atol=1e-5)
+
+    @njit
+    def one_tile(a, b, c):                      # rows, vectors and the flag must be constants where it is called
+        if a_transposed:
+            product_tile(a, b, c, 8, 16, 8, 2, True)
+        else:
+            product_tile(a, b, c, 8, 16, 8, 2, False)
+    if M >= 16 and N >= 48:
+        fast, slow = np.zeros((M, N), np.float32), np.zeros((M, N), np.float32)
+        one_tile(a, b, fast)
+        product_tile_reference(a, b, slow, 8, 16, 8, 2, a_transposed)
+        np.testing.assert_allclose(fast, slow, rtol=1e-5, atol=1e-5)
+        assert np.count_nonzero(fast) == 8 * 32             # the tile's rows and columns, nothing else
 
 
 @pytest.mark.parametrize("T", [6, 20])
