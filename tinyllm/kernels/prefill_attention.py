@@ -114,8 +114,9 @@ def _query_block(q, k, ks, v, vs, start, out, t0, t1, kvh):
             prefetch_rows(k, s0 + KEY_BLOCK, kvh, n_next)
             prefetch_rows(v, s0 + KEY_BLOCK, kvh, n_next)
         product(k_blk, qt, pt, False)                           # [KB, R] scores
-        m_new[:] = m
         whole = s0 + KEY_BLOCK <= start + t0 + 1                # every row sees every key of the block
+        for r in range(R):
+            m_new[r] = m[r]
         for i in range(n_keys):                                 # each row's max over the keys it sees
             for r in range(R):
                 if whole or s0 + i <= last_seen[r]:
@@ -123,12 +124,12 @@ def _query_block(q, k, ks, v, vs, start, out, t0, t1, kvh):
         for r in range(R):
             alpha[r] = exp32(m[r] - m_new[r])                   # rescales what the earlier blocks added
             l[r] *= alpha[r]
+            m[r] = m_new[r]
         for i in range(KEY_BLOCK):                              # exp(score - max); zero where the mask says
             for r in range(R):
                 e = exp32(pt[i, r] - m_new[r]) if whole or s0 + i <= last_seen[r] else np.float32(0.0)
                 pt[i, r] = e
                 l[r] += e
-        m[:] = m_new
         product(pt, v_blk, pv, True)                            # [R, D16] weighted V rows
         for r in range(R):
             for j in range(D16):
