@@ -22,6 +22,20 @@ def test_linear_matches_numpy(fmt, M, O, I):
     np.testing.assert_allclose(got, want, atol=2e-5 * np.sqrt(I), rtol=1e-5)
 
 
+@pytest.mark.parametrize("fmt", ["fp32"] + list(quant.FORMATS))
+@pytest.mark.parametrize("M", [1, 17, 64])
+@pytest.mark.parametrize("O, I", [(1, 32), (33, 64), (130, 96), (7, 1536)])
+def test_linear_panels_matches_numpy(fmt, M, O, I):
+    """The prompt-chunk kernel on every format (dispatch sends it only fp32 and 4-bit weights, from PANEL_MIN_ROWS
+    rows): any row count (x^T padded to whole vectors), a short last task of weight rows."""
+    w = RNG.normal(0, 0.1, (O, I)).astype(np.float32)
+    x = RNG.normal(0, 1, (M, I)).astype(np.float32)
+    qw = w if fmt == "fp32" else quant.quantize(w, fmt)
+    got = np.full((M, O), np.nan, dtype=np.float32)
+    lin.linear_panels(lin.weight_arrays(qw), x, got)
+    np.testing.assert_allclose(got, ops.linear(x, qw), atol=2e-5 * np.sqrt(I), rtol=1e-5)
+
+
 @pytest.mark.parametrize("fmt", list(quant.FORMATS))
 @pytest.mark.parametrize("M", [1, 2, 3, 7, 8, 9, 130])
 @pytest.mark.parametrize("O, I", [(1, 32), (33, 64), (130, 96), (7, 1536), (5, 544)])

@@ -2,7 +2,8 @@
 
     rows in the pass     linears                                 attention
     1 .. FEW_TOKENS      linear_kernels.py (see linear_into)     decode_attention (flash-decoding)
-    .. SMALL_M           linear_kernels.py                       tiled_causal_attention (prefill_attention.py)
+    .. SMALL_M           linear_kernels.py (linear_panels from   tiled_causal_attention (prefill_attention.py)
+                         PANEL_MIN_ROWS, fp32 and 4-bit)
     more                 BLAS sgemm (blas.py)                    numpy (ops.attention)
 
 A prompt longer than SMALL_M tokens is prefilled in chunks of PREFILL_CHUNK (model.prefill), so it stays in the
@@ -23,8 +24,8 @@ from . import blas, intdot
 from .attention_kernels import decode_attention, paged_decode_attention
 from .kv_formats import kernel_operands
 from .kv_rows import row_shape_of
-from .linear_kernels import (TILE_MIN_ROWS, linear_int8_a8, linear_q4, linear_q4_a8, linear_rows, linear_tiled,
-                             round_rows, weight_arrays)
+from .linear_kernels import (PANEL_MIN_ROWS, TILE_MIN_ROWS, linear_int8_a8, linear_panels, linear_q4, linear_q4_a8,
+                             linear_rows, linear_tiled, round_rows, weight_arrays)
 from .pointwise import swiglu_into, swiglu_rows_into
 from .prefill_attention import tiled_causal_attention
 
@@ -42,6 +43,8 @@ def linear_into(w, x, out, int8_inputs: bool, vnni: bool) -> None:
     (the fused block) get the overload below: the same rule, specialised to the format when they compile."""
     few, many, integer = ((linear_q4, linear_q4, linear_q4_a8) if len(w) == 3
                           else (linear_rows, linear_tiled, linear_int8_a8))
+    if x.shape[0] >= PANEL_MIN_ROWS and len(w) != 2:                     # a prompt chunk, fp32 or 4-bit weights
+        many = linear_panels
     if int8_inputs and len(w) > 1 and x.shape[0] < TILE_MIN_ROWS:         # a few rows: integer dot products
         integer(w, x, out, vnni)
     else:                                                                # float kernels (on the rounded rows)

@@ -7,7 +7,8 @@ registers, never building an fp32 copy of a weight; output rows are independent 
 A weight comes in as the tuple of its arrays (`weight_arrays`): (w,) fp32, (q, scale [O]) int8 per row,
 (q, scale [O, I/32]) int8 per block, (packed, d, m) 4-bit. Two kernel families by input:
   * float inputs: `linear_rows` / `linear_tiled` (fp32 and both int8 formats: the format is picked when they
-    compile) and `linear_q4`;
+    compile) and `linear_q4`; for a prompt chunk, `linear_panels` (any format: rows dequantized once, the
+    products in register tiles);
   * inputs rounded to int8 blocks: `linear_int8_a8` and `linear_q4_a8`, whose per-row dot products are the
     integer ones of intdot.py.
 Which kernel runs for how many rows is decided in dispatch.py.
@@ -22,6 +23,7 @@ from ..quant import BLOCK
 from .intdot import (dot_int8, dot_int8_block, dot_int8_block_reference, dot_int8_reference, dot_q4,
                      dot_q4_reference, q4_group)
 from .numerics import PARALLEL, SERIAL
+from .register_tiles import LANES, TILE_ROWS, product
 
 # Work is split over the cores by blocks of OUT_BLOCK weight rows; a block's rows stay in cache while every input
 # row passes over them, so a batch of M rows costs about one read of the weights.
@@ -204,6 +206,88 @@ def linear_q4(w, x, out):
                 for b in range(nb):
                     acc += mins[o, b] * xsum[m, b]
                 out[m, o] = acc
+
+
+# --- many rows: weight rows dequantized once, input columns in register tiles ---------------------------------
+# From this many input rows on (a prompt chunk), `linear_panels` beats the tiles above for fp32 and 4-bit weights
+# (for int8 they come out even: RESULTS.md, "Prefill in register tiles").
+PANEL_MIN_ROWS = 64
+PANEL_ROWS = 2 * TILE_ROWS   # weight rows per task: a whole 64-byte line of each of out's rows
+
+
+def _dequantize_row(w, o, row):
+    """row [I] <- W[o, :] as float32, before the row's scale (`_row_scale`), in any weight format."""
+    if len(w) < 3:
+        for i in range(row.shape[0]):
+            row[i] = _weight(w, o, i)
+        return
+    packed, d, mins = w                                              # 4-bit: byte k of block b, both nibbles
+    for b in range(d.shape[1]):
+        for k in range(16):
+            lo, hi = _nibbles(packed[o, 16 * b + k])
+            row[32 * b + k], row[32 * b + 16 + k] = d[o, b] * lo + mins[o, b], d[o, b] * hi + mins[o, b]
+
+
+@overload(_dequantize_row, inline="always")
+def _dequantize_row_typed(w, o, row):
+    if len(w.types) == 1:                                               # fp32
+        def floats(w, o, row):
+            for i in range(row.shape[0]):
+                row[i] = w[0][o, i]
+        return floats
+    if len(w.types) == 2 and w.types[1].ndim == 1:                      # int8, one scale per row
+        def per_row(w, o, row):
+            for i in range(row.shape[0]):
+                row[i] = np.float32(w[0][o, i])
+        return per_row
+    if len(w.types) == 2:                                               # int8, one scale per block of 32
+        def per_block(w, o, row):
+            for b in range(w[1].shape[1]):
+                s = w[1][o, b]
+                for i in range(BLOCK * b, BLOCK * b + BLOCK):
+                    row[i] = s * np.float32(w[0][o, i])
+        return per_block
+
+    def four_bit(w, o, row):
+        packed, d, mins = w
+        for b in range(d.shape[1]):
+            scale, low = d[o, b], mins[o, b]
+            for k in range(16):
+                lo, hi = _nibbles(packed[o, 16 * b + k])
+                row[32 * b + k] = scale * lo + low
+                row[32 * b + 16 + k] = scale * hi + low
+    return four_bit
+
+
+@njit(**PARALLEL)
+def linear_panels(w, x, out):
+    """out [M, O] = x [M, I] times W^T for a prompt chunk's M rows, in any weight format (w: its arrays).
+
+    The product is taken transposed, out^T = W . x^T, so that it runs as register_tiles' tiles with no weight
+    ever transposed: x^T [I, M16] is made once per call (M rounded up to whole 16-float vectors, zeros past M);
+    then, per task, TILE_ROWS weight rows are dequantized once into a float32 scratch [TILE_ROWS, I] (L1) and
+    multiplied by every column of x^T, each weight value broadcast against 16 input rows at a time with the sums
+    in registers; the tile's [TILE_ROWS, M16] result is written into out's columns. The 4 x 4 tiles of
+    linear_tiled instead convert each weight once per 4 input rows and end each dot product with a sum across
+    a vector's lanes."""
+    M, I = x.shape
+    O = out.shape[1]
+    M16 = (M + LANES - 1) // LANES * LANES
+    xt = np.zeros((I, M16), dtype=np.float32)                   # [I, M16] the input rows as columns
+    for i in range(I):                                          # (written along its rows: reads are cheaper)
+        for m in range(M):
+            xt[i, m] = x[m, i]
+    for task in prange((O + PANEL_ROWS - 1) // PANEL_ROWS):
+        o0 = task * PANEL_ROWS
+        n = min(O, o0 + PANEL_ROWS) - o0                        # weight rows of this task (the last may be short)
+        rows = np.zeros((PANEL_ROWS, I), dtype=np.float32)      # [16, I] W[o0:o0+n], dequantized
+        for r in range(n):
+            _dequantize_row(w, o0 + r, rows[r])
+        tile = np.empty((PANEL_ROWS, M16), dtype=np.float32)    # [16, M16] = rows . x^T
+        product(rows, xt, tile, False)
+        for m in range(M):                                      # along out's rows (down its columns, each
+            for r in range(n):                                  # write missed L1: rows 12 KiB apart at O = 3072)
+                out[m, o0 + r] = tile[r, m] * _row_scale(w, o0 + r)
 
 
 # --- inputs rounded to int8 blocks ------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from .block import BLOCKS
 from .dispatch import FEW_TOKENS, FUSED_ROWS, attention, linear, paged_attention, swiglu
 from .kv_formats import kernel_operands
 from .kv_rows import row_shape, row_shape_of
-from .linear_kernels import TILE_MIN_ROWS, weight_arrays
+from .linear_kernels import PANEL_MIN_ROWS, TILE_MIN_ROWS, weight_arrays
 from .pointwise import apply_rope, rmsnorm
 
 FORMATS = {np.ndarray: None, Int8Channel: "int8", Int8Block: "int8-block", Q4Block: "q4_1"}
@@ -93,7 +93,7 @@ def _warm_rope() -> None:
 def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False, fused: bool = True,
            kv_dtype: str = "float32", heads: tuple = (64, 1)) -> float:
     """Compile (or load from Numba's cache) what a model needs, and nothing else, so that a first run compiles only
-    its own format: for its blocks' weight classes (`matrix_types`) the one-row and the tiled linears and (if
+    its own format: for its blocks' weight classes (`matrix_types`) the one-row, tiled and prompt-chunk linears and (if
     `fused`) the one-call block; for its output head's class (`head_types`) the one-row linear (the head sees one
     row per sequence: its tiled kernel waits for batches, warmup_paged); all for its activations setting
     (int8_inputs) and a KV cache of kv_dtype; attention for `heads` (the model's head size and query heads per KV
@@ -110,11 +110,13 @@ def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False
         if helper is not None:      # meanwhile, what the blocks do not contain (they hold the rest, compiled there)
             _warm_attention(kv_dtype, heads, ("prefill",))
             _warm_rope()
+            for fmt in matrices:
+                _warm_linear(fmt, a8[fmt], PANEL_MIN_ROWS)
             for fmt in head_formats - matrices:
                 _warm_linear(fmt, a8[fmt], 1)
             _wait(helper)
         for fmt in a8:              # then the rest: loaded from the cache where the helper compiled it
-            for rows in (1, TILE_MIN_ROWS) if fmt in matrices or batched else (1,):
+            for rows in (1, TILE_MIN_ROWS, PANEL_MIN_ROWS) if fmt in matrices or batched else (1,):
                 _warm_linear(fmt, a8[fmt], rows)
         _warm_attention(kv_dtype, heads)
         if ("ops",) not in _done:
