@@ -273,16 +273,22 @@ def linear_panels(w, x, out):
     M, I = x.shape
     O = out.shape[1]
     M16 = (M + LANES - 1) // LANES * LANES
-    xt = np.zeros((I, M16), dtype=np.float32)                   # [I, M16] the input rows as columns
-    for i in range(I):                                          # (written along its rows: reads are cheaper)
-        for m in range(M):
-            xt[i, m] = x[m, i]
+    xt = np.empty((I, M16), dtype=np.float32)                   # [I, M16] the input rows as columns
+    for i0 in prange((I + LANES - 1) // LANES):
+        for i in range(LANES * i0, min(I, LANES * i0 + LANES)):  # (written along its rows: reads are cheaper)
+            for m in range(M):
+                xt[i, m] = x[m, i]
+            for m in range(M, M16):
+                xt[i, m] = 0.0
     for task in prange((O + PANEL_ROWS - 1) // PANEL_ROWS):
         o0 = task * PANEL_ROWS
         n = min(O, o0 + PANEL_ROWS) - o0                        # weight rows of this task (the last may be short)
-        rows = np.zeros((PANEL_ROWS, I), dtype=np.float32)      # [16, I] W[o0:o0+n], dequantized
+        rows = np.empty((PANEL_ROWS, I), dtype=np.float32)      # [16, I] W[o0:o0+n], dequantized
         for r in range(n):
             _dequantize_row(w, o0 + r, rows[r])
+        for r in range(n, PANEL_ROWS):
+            for i in range(I):
+                rows[r, i] = 0.0
         tile = np.empty((PANEL_ROWS, M16), dtype=np.float32)    # [16, M16] = rows . x^T
         product(rows, xt, tile, False)
         for m in range(M):                                      # along out's rows (down its columns, each
