@@ -1,12 +1,15 @@
-"""A/B: decode speed of two checkouts of tinyllm, measured alternately in one run.
+"""A/B: decode (or prefill) speed of two checkouts of tinyllm, measured alternately in one run.
 
     python benchmarks/ab_decode.py --old /path/to/old/checkout [--new .] [--rounds 7] [--contexts 0 256]
+    python benchmarks/ab_decode.py --old ... --prefill 128 512 2048 [--steps 3]
 
 Each side runs in its own worker process (its checkout first on sys.path) that loads every format once; the
 driver then asks the two workers in turn for the same measurement (old, new, old, new, ...), so both sides see
 the same drift of a shared machine, and only one worker runs at a time. A measurement is the median time of a
-decode step at a fixed context (the cache is cut back after each step). Reported: per format and context, the
-median of the paired ratios new/old of tokens per second. With --compile, also the first run of a fresh install
+decode step at a fixed context (the cache is cut back after each step); with --prefill, the median time to
+prefill a prompt of that many random tokens into an empty cache (--steps of them, after one to warm up).
+Reported: per format and context (or prompt length), the median of the paired ratios new/old of tokens per
+second. With --compile, also the first run of a fresh install
 (an empty Numba cache) of `scripts/generate.py --max-new-tokens 1` on each side, its `JIT` time.
 """
 from __future__ import annotations
@@ -31,7 +34,7 @@ SAME_HEAD = "head_quant" in inspect.signature(tinyllm.load).parameters
 tinyllm.set_threads(THREADS)
 models = {}
 for line in sys.stdin:
-    fmt, S, steps = json.loads(line)
+    fmt, S, steps, prefill = json.loads(line)
     if fmt not in models:
         quant, _, a8 = fmt.partition("+")
         kw = dict(head_quant="q4_1") if SAME_HEAD and quant == "q4_1" else {}
@@ -39,6 +42,17 @@ for line in sys.stdin:
                                    **kw)
     m = models[fmt]
     rng = np.random.default_rng(0)
+    if prefill:                                             # S: the prompt's length
+        prompt = rng.integers(0, 1000, S)
+        m.prefill(prompt, m.new_cache(S))
+        times = []
+        for i in range(steps):
+            cache = m.new_cache(S)
+            t0 = time.perf_counter()
+            m.prefill(prompt, cache)
+            times.append(time.perf_counter() - t0)
+        print(json.dumps(S / float(np.median(times))), flush=True)
+        continue
     cache = m.new_cache(S + 2)
     if S:
         m.prefill(rng.integers(0, 1000, S), cache)
@@ -59,8 +73,8 @@ class Worker:
         self.proc = subprocess.Popen([sys.executable, "-c", WORKER.replace("THREADS", str(threads))], cwd=checkout,
                                      env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
-    def tok_per_s(self, fmt: str, S: int, steps: int) -> float:
-        self.proc.stdin.write(json.dumps([fmt, S, steps]) + "\n")
+    def tok_per_s(self, fmt: str, S: int, steps: int, prefill: bool = False) -> float:
+        self.proc.stdin.write(json.dumps([fmt, S, steps, prefill]) + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
@@ -88,7 +102,9 @@ def main(argv=None) -> None:
     p.add_argument("--formats", nargs="+", default=FORMATS)
     p.add_argument("--contexts", nargs="+", type=int, default=[0, 256])
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--steps", type=int, default=40, help="decode steps per measurement (their median is taken)")
+    p.add_argument("--prefill", nargs="+", type=int, help="measure prefill of prompts this long instead of decode")
+    p.add_argument("--steps", type=int, default=40, help="decode steps (or prefills) per measurement (their median "
+                   "is taken)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="also time a first run's compile on each side")
     p.add_argument("--json", type=Path, help="write the raw measurements here")
@@ -100,15 +116,16 @@ def main(argv=None) -> None:
     try:
         for r in range(args.rounds):
             for fmt in args.formats:
-                for S in args.contexts:
+                for S in args.prefill or args.contexts:
                     order = ("old", "new") if r % 2 == 0 else ("new", "old")
-                    got = {side: sides[side].tok_per_s(fmt, S, args.steps) for side in order}
+                    got = {side: sides[side].tok_per_s(fmt, S, args.steps, bool(args.prefill)) for side in order}
                     raw.setdefault(f"{fmt}@{S}", []).append(got)
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     finally:
         for w in sides.values():
             w.close()
-    print("| format | context | old tok/s (median) | new tok/s (median) | median paired ratio new/old | min | max |")
+    print(f"| format | {'prompt tokens' if args.prefill else 'context'} | old tok/s (median) | new tok/s (median) "
+          "| median paired ratio new/old | min | max |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for key, runs in raw.items():
         fmt, S = key.split("@")

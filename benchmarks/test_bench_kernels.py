@@ -22,7 +22,7 @@ def weight(fmt, shape):
     return w if fmt == "fp32" else quant.quantize(w, fmt)
 
 
-@pytest.mark.parametrize("M", [1, 4, 8, 32])
+@pytest.mark.parametrize("M", [1, 4, 8, 32, 128])
 @pytest.mark.parametrize("shape_name", list(SHAPES))
 @pytest.mark.parametrize("fmt", ["fp32", "int8", "int8-block", "q4_1", "int8+a8", "int8-block+a8", "q4_1+a8"])
 def test_linear_numba(benchmark, fmt, shape_name, M):
@@ -102,6 +102,21 @@ def test_causal_attention(benchmark, impl):
     fn(q, k, v, S - T)
     benchmark.extra_info["bytes"] = k.nbytes + v.nbytes
     benchmark(fn, q, k, v, S - T)
+
+
+@pytest.mark.parametrize("start", [0, 1920])
+@pytest.mark.parametrize("impl", ["numba", "numpy"])
+def test_prompt_chunk_attention(benchmark, impl, start):
+    """A 128-token prompt chunk after `start` cached positions (prefill_attention.py; the numpy twin makes the
+    whole score matrix). extra_info: the chunk's useful floating-point operations, so GFLOP/s = flops / median."""
+    T, S = 128, start + 128
+    q = RNG.normal(size=(T, 9, 64)).astype(np.float32)
+    k = RNG.normal(size=(S, 3, 64)).astype(np.float32)
+    v = RNG.normal(size=(S, 3, 64)).astype(np.float32)
+    fn = kernels.attention if impl == "numba" else ops.attention
+    fn(q, k, v, start)
+    benchmark.extra_info["flops"] = 4 * 9 * 64 * sum(start + t + 1 for t in range(T))
+    benchmark(fn, q, k, v, start)
 
 
 @pytest.mark.parametrize("impl", ["numba", "numpy"])
