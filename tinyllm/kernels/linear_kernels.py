@@ -265,9 +265,9 @@ def linear_panels(w, x, out):
 
     The product is taken transposed, out^T = W . x^T, so that it runs as register_tiles' tiles with no weight
     ever transposed: x^T [I, M16] is made once per call (M rounded up to whole 16-float vectors, zeros past M);
-    then, per task, TILE_ROWS weight rows are dequantized once into a float32 scratch [TILE_ROWS, I] (L1) and
+    then, per task, PANEL_ROWS weight rows are dequantized once into a float32 scratch [PANEL_ROWS, I] and
     multiplied by every column of x^T, each weight value broadcast against 16 input rows at a time with the sums
-    in registers; the tile's [TILE_ROWS, M16] result is written into out's columns. The 4 x 4 tiles of
+    in registers; the [PANEL_ROWS, M16] result is written into out's columns. The 4 x 4 tiles of
     linear_tiled instead convert each weight once per 4 input rows and end each dot product with a sum across
     a vector's lanes."""
     M, I = x.shape

@@ -15,10 +15,8 @@ The twin is ops.attention (the plain softmax over whole rows); tests/test_kernel
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
-
 from llvmlite import ir
-from numba import config, types
+from numba import config, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
