@@ -230,16 +230,11 @@ def _dequantize_row(w, o, row):
 
 @overload(_dequantize_row, inline="always")
 def _dequantize_row_typed(w, o, row):
-    if len(w.types) == 1:                                               # fp32
-        def floats(w, o, row):
+    if len(w.types) == 1 or w.types[1].ndim == 1:                      # fp32, int8 with one scale per row
+        def each(w, o, row):
             for i in range(row.shape[0]):
-                row[i] = w[0][o, i]
-        return floats
-    if len(w.types) == 2 and w.types[1].ndim == 1:                      # int8, one scale per row
-        def per_row(w, o, row):
-            for i in range(row.shape[0]):
-                row[i] = np.float32(w[0][o, i])
-        return per_row
+                row[i] = _weight(w, o, i)
+        return each
     if len(w.types) == 2:                                               # int8, one scale per block of 32
         def per_block(w, o, row):
             for b in range(w[1].shape[1]):
