@@ -4,8 +4,9 @@
 
 A decode step (batch 1, `model.decode_step` at a fixed context, as ab_decode.py measures it) is timed whole, and
 then in pieces:
-  blocks      the 30 fused block calls (the compiled block of kernels/block.py) with their arguments built in
-              advance: the step without Python's bookkeeping, the embedding row and the head
+  blocks      the 30 fused block calls (kernels/block.py's decode_blocks: the threaded block, one parallel region
+              per layer) with their arguments built in advance: the step without Python's bookkeeping, the
+              embedding row and the head
   kernels     the step's kernels alone, in the step's order (per layer wqkv, attention, wo, w_in, w_out; then the
               head), all from one compiled loop: no Python and none of a block's own work between them
   wqkv .. head
@@ -13,7 +14,8 @@ then in pieces:
               alone would mislead: 30 layers of a small matrix (or of K/V) fit in the 32 MB L3 cache and would be
               read from it, where in a step the other weights have pushed them out
 From these: `glue` = blocks - the layer kernels (what a block does between its kernels: RMSNorm, RoPE and the
-cache write, SwiGLU, the residual adds, its allocations, and the 30 calls from Python), `outside` = step - blocks
+cache write, SwiGLU, the residual adds, its allocations, and the 30 calls from Python; negative when the threaded
+block, which starts one parallel region per layer, beats the kernels' own ~5 regions), `outside` = step - blocks
 - head (forward_batch's Python, the embedding row, the final RMSNorm, argument building). GB/s in brackets: the
 bytes a kernel reads (weights; K/V for attention) over its share. `of bandwidth`: the step's bytes (roofline.py's
 count) over its time, against the read bandwidth measured in this run (roofline.py's method, best of 5 after
@@ -93,14 +95,15 @@ class Timeline:
             m.prefill(np.random.default_rng(0).integers(0, 1000, context), self.cache)
         rng = np.random.default_rng(1)
         cos, sin = m.rope_cos[context:context + 1], m.rope_sin[context:context + 1]
-        self.layer_args, attention_layers = [], []
+        weights, caches, attention_layers = [], [], []
         for i, layer in enumerate(m.layers):
             k, ks, v, vs, self.shape = block.cache_operands(self.cache.k[i], self.cache.v[i], c.n_heads)
-            self.layer_args.append((*block.block_weights(layer), intdot.USE_VNNI, k, ks, v, vs, context, cos, sin,
-                                    c.n_heads, c.norm_eps, self.shape))      # as model._fused_decode_blocks passes
+            weights.append(block.block_weights(layer))
+            caches.append((k, ks, v, vs, self.shape))
             S = context + 1
             attention_layers.append((k[:S], None if ks is None else ks[:S], v[:S], None if vs is None else vs[:S]))
-        w0 = m.layers[0]
+        self.block_args = (weights, caches, context, cos, sin, c.n_heads, c.norm_eps, self.a8)   # as
+        w0 = m.layers[0]                                                # model._fused_decode_blocks passes them
 
         def rows(n):
             return rng.standard_normal((1, n)).astype(np.float32)                      # [1, n]
@@ -136,13 +139,7 @@ class Timeline:
             self.cache.truncate(S)
             m.decode_step(100, self.cache)
         out["step"] = self._median(step)
-        run_block = block.BLOCKS[self.a8]
-
-        def blocks():
-            x = self.x.copy()
-            for args in self.layer_args:
-                run_block(x, *args)
-        out["blocks"] = self._median(blocks)
+        out["blocks"] = self._median(lambda: block.decode_blocks(self.x.copy(), *self.block_args))
         sequence = SEQUENCES[self.a8]
 
         def kernels(which):

@@ -369,28 +369,39 @@ def test_a_slow_warm_up_says_it_is_compiling(capsys):
 
 HELPER_CHECK = """
 import importlib
-from tinyllm.kernels.block import BLOCKS
+import time
+from tinyllm.kernels import block
 warmup = importlib.import_module("tinyllm.kernels.warmup")     # (the package exports the function of that name)
 
 blocks = [["q4_1", False, "float32", [64, 3]]]
-helper = warmup._blocks_in_a_second_process(blocks)
-assert helper is not None, "an empty cache: the blocks go to a second process"
+helper = warmup._blocks_in_a_second_process(blocks, "plain")
+assert helper is not None, "an empty cache: the plain blocks go to a second process"
 assert helper.wait(timeout=600) == 0
-assert BLOCKS[False]._cache._cache_file._load_index(), "the second process filled the disk cache"
-assert warmup._blocks_in_a_second_process(blocks) is None, "a warm cache: nothing to hand over"
+assert block.BLOCKS[False]._cache._cache_file._load_index(), "the second process filled the disk cache"
+assert warmup._blocks_in_a_second_process(blocks, "plain") is None, "a warm cache: nothing to hand over"
+
+warmup.warmup((warmup.Q4Block,), heads=(64, 3))    # the threaded blocks: compiling in the background, not waited for
+assert block._plain_only, "this process goes on with the plain blocks"
+waited = 0
+while not block.THREADED_BLOCKS[False]._cache._cache_file._load_index() and waited < 600:
+    time.sleep(1)
+    waited += 1
+assert warmup._blocks_in_a_second_process(blocks, "threaded") is None, "the helper filled the cache"
 """
 
 
-def test_first_run_compiles_the_blocks_in_a_second_process(tmp_path):
-    """On a first run (an empty Numba cache) the fused blocks compile in a second process while this one compiles
-    the rest (warmup.py); that process fills the disk cache this one then loads from, and a warm cache starts none."""
+def test_first_run_compiles_the_blocks_in_second_processes(tmp_path):
+    """On a first run (an empty Numba cache) the plain fused blocks compile in a second process while this one
+    compiles the rest, and this one waits for them; the threaded blocks then compile in another, not waited for:
+    this process runs with the plain blocks, later runs load the threaded ones (warmup.py). A warm cache starts
+    neither."""
     import os
     import subprocess
     import sys
     from pathlib import Path
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
     r = subprocess.run([sys.executable, "-c", HELPER_CHECK], cwd=Path(__file__).parent, env=env, capture_output=True,
-                       text=True, timeout=900)
+                       text=True, timeout=1500)
     assert r.returncode == 0, r.stderr[-3000:]
 
 
@@ -521,3 +532,49 @@ def test_backends_give_the_same_greedy_tokens(default_model_path, quant_name):
     m.backend = "numpy"
     slow = tinyllm.generate(m, prompt, max_new_tokens=16).token_ids
     assert fast == slow
+
+
+def test_spin_barrier_holds_every_thread_until_all_arrive():
+    """The threads of one parallel region meeting at spin_barrier.barrier 200 times: after each barrier every
+    thread sees what all the others wrote before it, and the barrier's arrival count is back to 0 at the end."""
+    from numba import get_num_threads, njit, prange
+
+    from tinyllm.kernels.spin_barrier import COUNT, GENERATION, barrier, new_state
+
+    @njit(parallel=True)
+    def meet(state, written, seen, n):
+        for tid in prange(n):
+            for r in range(written.shape[0]):
+                written[r, tid] = r + 1
+                barrier(state, n)
+                low = written[r, 0]
+                for other in range(1, n):
+                    low = min(low, written[r, other])
+                seen[r, tid] = low                              # r + 1 only if every thread had written round r
+    n = get_num_threads()
+    state, written, seen = new_state(), np.zeros((200, n), np.int64), np.zeros((200, n), np.int64)
+    meet(state, written, seen, n)
+    np.testing.assert_array_equal(seen, np.arange(1, 201)[:, None] * np.ones((1, n), np.int64))
+    assert state[COUNT] == 0 and state[GENERATION] == (200 if n > 1 else 0)
+
+
+def test_threaded_block_gives_the_same_bits_on_one_thread():
+    """The threaded block splits its work by thread count; with one thread (numba.set_num_threads(1)) it must give
+    the logits and cache it gives with all of them (each share is computed by the same functions)."""
+    import numba
+
+    from test_model import random_model
+    m = random_model("llama", dim=64, ffn_dim=64, quant="q4_1", activations="int8")
+    ids = np.random.default_rng(3).integers(0, 50, 12)
+    results = []
+    threads = numba.get_num_threads()
+    try:
+        for n in (threads, 1):
+            numba.set_num_threads(n)
+            cache = m.new_cache(16)
+            results.append((np.concatenate([m.forward(c, cache) for c in (ids[:5], ids[5:6], ids[6:9])]),
+                            cache.k[:, :9].copy()))
+    finally:
+        numba.set_num_threads(threads)
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_array_equal(results[0][1], results[1][1])

@@ -253,22 +253,33 @@ def test_activations_are_a_setting_of_the_model_not_of_shared_weights():
 @pytest.mark.parametrize("quant,activations", [(None, "float32"), ("int8", "float32"), ("int8", "int8"),
                                                ("int8-block", "int8"), ("q4_1", "float32"), ("q4_1", "int8")])
 def test_fused_decode_equals_the_op_by_op_blocks(quant, activations, monkeypatch):
-    """A numba pass of up to FEW_TOKENS tokens on a contiguous cache runs each block as one kernels.decode_block
-    call; it must give bit for bit the logits and the cache of the op-by-op `_block` path it replaces: for a
-    prompt, decode steps, and verification-sized passes (3 rows: the pair kernels; 9: the tiles; 16: the most)."""
+    """A numba pass of up to FEW_TOKENS tokens on a contiguous cache runs each block as one compiled call (the
+    threaded block below TILE_MIN_ROWS tokens, the plain one from there, or the plain one throughout while the
+    threaded one is still compiling); each must give bit for bit the logits and the cache of the op-by-op `_block`
+    path it replaces: for a prompt, decode steps, and verification-sized passes (3 rows: the pair kernels; 9: the
+    tiles; 16: the most)."""
     from tinyllm import kernels
+    from tinyllm.kernels import block
     m = random_model("llama", dim=64, ffn_dim=64, quant=quant, activations=activations)
     ids = np.random.default_rng(2).integers(0, 50, 40)
     chunks = [ids[:5], ids[5:6], ids[6:7], ids[7:10], ids[10:19], ids[19:35], ids[35:36]]
+    assert block.threads_can_wait()                                     # (omp or workqueue: the threaded block runs)
+    threaded_rows = []
+    monkeypatch.setattr(block, "THREADED_BLOCKS", {a8: (lambda f: lambda x, *rest: (threaded_rows.append(len(x)),
+                                                                                      f(x, *rest)))(f)
+                                                   for a8, f in block.THREADED_BLOCKS.items()})
     logits, caches = {}, {}
-    for fused in (False, True):
-        m.fused_decode = fused
+    for path in ("op by op", "plain", "threaded"):
+        m.fused_decode = path != "op by op"
+        monkeypatch.setattr(block, "_plain_only", path == "plain")
         cache = m.new_cache(40)
-        logits[fused] = np.concatenate([m.forward(c, cache) for c in chunks])
-        caches[fused] = cache
-    np.testing.assert_array_equal(logits[True], logits[False])
-    np.testing.assert_array_equal(caches[True].k[:, :36], caches[False].k[:, :36])
-    np.testing.assert_array_equal(caches[True].v[:, :36], caches[False].v[:, :36])
+        logits[path] = np.concatenate([m.forward(c, cache) for c in chunks])
+        caches[path] = cache
+    assert sorted(set(threaded_rows)) == [1, 3, 5]                      # the passes below TILE_MIN_ROWS, each layer
+    for path in ("plain", "threaded"):
+        np.testing.assert_array_equal(logits[path], logits["op by op"])
+        np.testing.assert_array_equal(caches[path].k[:, :36], caches["op by op"].k[:, :36])
+        np.testing.assert_array_equal(caches[path].v[:, :36], caches["op by op"].v[:, :36])
 
     def op_by_op(*args):
         raise AssertionError("the op-by-op path ran")

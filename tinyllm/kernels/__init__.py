@@ -13,7 +13,8 @@ ops.py and a parity test (tests/test_kernels.py). The files, in the order a deco
     kv_formats.py         the KV cache's stored formats (float32, float16, int8) as the kernels read and write them
     kv_rows.py            decode attention's inner steps on one cached row for a KV head's query heads (LLVM IR)
     llvm_ir.py            the LLVM IR pieces the IR kernels share
-    block.py              a whole Llama block of a decode step as one compiled call
+    block.py              a whole Llama block of a decode step as one compiled call (one parallel region)
+    spin_barrier.py       where block.py's threads wait for each other inside that region
     blas.py               the ops of a pass too long for these kernels: BLAS sgemm and numpy attention
     numerics.py           compile options, a vectorisable exp, softmax
     warmup.py             compiling all of the above before the first request

@@ -37,16 +37,30 @@ def decode_attention(q, k, ks, v, vs, start, out, shape):
     """
     T, H, Dh = q.shape
     S = k.shape[0]
-    chunk = max(ATTN_CHUNK, (S + ATTN_TASKS - 1) // ATTN_TASKS)
-    n_chunks = (S + chunk - 1) // chunk
+    chunk, n_chunks = position_chunks(S)
     chunk_max = np.empty((n_chunks, T, H), dtype=np.float32)    # m per chunk
     chunk_sum = np.empty((n_chunks, T, H), dtype=np.float32)    # l per chunk
     chunk_out = np.empty((n_chunks, T, H, Dh), dtype=np.float32)
     for c in prange(n_chunks):
-        _attend_chunk(q, k, ks, v, vs, start, c * chunk, min(S, (c + 1) * chunk), chunk_max[c],
-                      chunk_sum[c], chunk_out[c], shape)
-    for t in range(T):                                           # merge the chunks of each token and head
-        for h in range(H):
+        attend_chunk(q, k, ks, v, vs, start, c * chunk, min(S, (c + 1) * chunk), chunk_max[c], chunk_sum[c],
+                     chunk_out[c], shape)
+    merge_chunks(chunk_max, chunk_sum, chunk_out, out, 0, H)
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def position_chunks(S):
+    """decode_attention's split of S positions -> (positions per chunk, how many chunks)."""
+    chunk = max(ATTN_CHUNK, (S + ATTN_TASKS - 1) // ATTN_TASKS)
+    return chunk, (S + chunk - 1) // chunk
+
+
+@njit(**SERIAL)
+def merge_chunks(chunk_max, chunk_sum, chunk_out, out, h0, h1):
+    """out[:, h0:h1] from the chunks' statistics (decode_attention): each head's chunks rescaled by
+    exp(m_chunk - m_global) and summed, then divided by the rescaled sum of the exponentials."""
+    n_chunks, T, _, Dh = chunk_out.shape
+    for t in range(T):
+        for h in range(h0, h1):
             m = chunk_max[0, t, h]
             for c in range(1, n_chunks):
                 m = max(m, chunk_max[c, t, h])
@@ -64,7 +78,7 @@ def decode_attention(q, k, ks, v, vs, start, out, shape):
 
 
 @njit(**SERIAL)
-def _attend_chunk(q, k, ks, v, vs, start, s0, s1, m_out, l_out, acc, shape):
+def attend_chunk(q, k, ks, v, vs, start, s0, s1, m_out, l_out, acc, shape):
     """decode_attention's task: the T tokens of q against positions s0 .. s1-1 -> per token and head the max m_out
     [T, H] and sum l_out [T, H] of the exponentiated scores, and acc [T, H, Dh] their weighted sum of v rows.
     (A function of its own, so that the parallel loop stays small: Numba compiles a large one slowly.)"""

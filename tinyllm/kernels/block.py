@@ -4,20 +4,30 @@ Called op by op from Python, a decode step makes about 13 kernel calls per layer
 them, and each call spends microseconds on argument checks and unboxing in which no weight byte is read. Here the
 same kernels are called from compiled code, one Python call per layer, as llama2.c's forward() does in C. The
 logits and the cache are bit for bit those of the op-by-op path (tests/test_model.py).
+
+Two versions. The plain block calls the kernels one after another, and each kernel starts and joins its own
+parallel region (about 5 per layer). The threaded block, for fewer than TILE_MIN_ROWS tokens (a decode step, a
+short verification), is one parallel region per layer: both threads run the whole block, each taking its share
+of every matrix's rows (and of attention's position chunks and heads) and meeting at a spin barrier
+(spin_barrier.py) between the stages that need each other's results; the small per-token work (RMSNorm, the
+input's rounding, SwiGLU) every thread does for itself rather than wait. Its shares are computed by the very
+functions the kernels' parallel loops call, so its results are the plain block's, bit for bit.
 """
 from __future__ import annotations
 
+import numba
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from . import intdot
-from .attention_kernels import decode_attention
-from .dispatch import linear_into
+from .attention_kernels import attend_chunk, decode_attention, merge_chunks, position_chunks
+from .dispatch import linear_into, linear_share, thread_share
 from .kv_formats import first_rows, kernel_operands, store_row
 from .kv_rows import row_shape_of
-from .linear_kernels import weight_arrays
-from .numerics import SERIAL
+from .linear_kernels import TILE_MIN_ROWS, weight_arrays
+from .numerics import PARALLEL, SERIAL
 from .pointwise import rmsnorm_into, swiglu_into, swiglu_rows_into
+from .spin_barrier import COUNT, barrier, new_state
 
 
 def block_weights(layer) -> tuple:
@@ -40,10 +50,40 @@ def decode_blocks(x, weights, caches, start: int, cos, sin, n_heads: int, eps: f
     call per layer, updating x in place and writing their K and V into each layer's cache. weights[i]:
     block_weights(layer i); caches[i]: cache_operands of layer i's K and V; cos, sin [T, Dh/2]: the rotations of
     the tokens' positions; int8_inputs: the activations setting."""
-    block, vnni = BLOCKS[int8_inputs], intdot.USE_VNNI
+    vnni = intdot.USE_VNNI
+    if x.shape[0] < TILE_MIN_ROWS and not _plain_only and threads_can_wait():
+        block, state, n = THREADED_BLOCKS[int8_inputs], new_state(), numba.get_num_threads()   # (a state per
+        for (attn_norm, ffn_norm, wqkv, wo, w_in, w_out), (k, k_scales, v, v_scales, shape) in zip(weights, caches):
+            block(x, attn_norm, ffn_norm, wqkv, wo, w_in, w_out, vnni, k, k_scales, v, v_scales, start, cos, sin,
+                  n_heads, eps, shape, state, n)                                          # call: reentrant)
+        return
+    block = BLOCKS[int8_inputs]
     for (attn_norm, ffn_norm, wqkv, wo, w_in, w_out), (k, k_scales, v, v_scales, shape) in zip(weights, caches):
         block(x, attn_norm, ffn_norm, wqkv, wo, w_in, w_out, vnni, k, k_scales, v, v_scales, start, cos, sin,
               n_heads, eps, shape)
+
+
+_layer_ok, _plain_only = False, False
+
+
+def plain_blocks_only() -> None:
+    """Run the plain blocks from now on in this process (warmup: the threaded ones are still being compiled)."""
+    global _plain_only
+    _plain_only = True
+
+
+def threads_can_wait() -> bool:
+    """Whether the threaded block may run: Numba's threading layer gives each thread of a region its own
+    iteration of `prange(get_num_threads())` (omp, workqueue), so that threads waiting at a barrier cannot hold up
+    the one they wait for. TBB's work stealing does not promise that; nor is the layer known before the first
+    parallel region has run (then the plain block runs, which starts one)."""
+    global _layer_ok
+    if not _layer_ok:
+        try:
+            _layer_ok = numba.threading_layer() in ("omp", "workqueue")
+        except ValueError:
+            return False
+    return _layer_ok
 
 
 def decode_block(x, layer, k_cache, v_cache, start: int, cos, sin, n_heads: int, eps: float,
@@ -54,6 +94,30 @@ def decode_block(x, layer, k_cache, v_cache, start: int, cos, sin, n_heads: int,
                   eps, int8_inputs)
 
 
+@njit(**SERIAL)
+def rotate_and_store(qkv, cos, sin, q, k_cache, k_scales, v_cache, v_scales, pos):
+    """From the rows qkv [T, (H + 2*KVH) * Dh]: q [T, H, Dh] <- the queries rotated by their positions' angles
+    (half-split pairs, ops.apply_rope); the keys rotated and the values as they are go into the cache at
+    pos .. pos+T-1, in its stored format."""
+    T, H, Dh = q.shape
+    KVH = k_cache.shape[1]
+    half = Dh // 2
+    k_row = np.empty(Dh, np.float32)                            # [Dh] one rotated k head, before it is stored
+    for t in range(T):
+        for head in range(H + KVH):
+            for i in range(half):
+                a, b = qkv[t, head * Dh + i], qkv[t, head * Dh + half + i]
+                ra, rb = a * cos[t, i] - b * sin[t, i], b * cos[t, i] + a * sin[t, i]
+                if head < H:
+                    q[t, head, i], q[t, head, half + i] = ra, rb
+                else:
+                    k_row[i], k_row[half + i] = ra, rb
+            if head >= H:
+                store_row(k_cache, k_scales, pos + t, head - H, k_row)
+        for kvh in range(KVH):
+            store_row(v_cache, v_scales, pos + t, kvh, qkv[t, (H + KVH + kvh) * Dh:(H + KVH + kvh + 1) * Dh])
+
+
 def _compile_block(int8_inputs: bool):
     """The block for one activations setting. int8_inputs is a constant of the compiled code, so that the linears
     compile only that setting's kernels (a first run then compiles only what it uses)."""
@@ -62,7 +126,7 @@ def _compile_block(int8_inputs: bool):
                   sin, n_heads, eps, kv_shape):
         T, D = x.shape
         KVH, Dh = k_cache.shape[1], k_cache.shape[2]
-        H, half = n_heads, Dh // 2
+        H = n_heads
         h = np.empty((T, D), np.float32)                            # [T, D] normed x
         delta = np.empty((T, D), np.float32)                        # [T, D] what a sub-block adds to x
 
@@ -71,20 +135,7 @@ def _compile_block(int8_inputs: bool):
         qkv = np.empty((T, (H + 2 * KVH) * Dh), np.float32)         # [T, (H + 2*KVH) * Dh]
         linear_into(wqkv, h, qkv, int8_inputs, vnni)
         q = np.empty((T, H, Dh), np.float32)                        # [T, H, Dh]
-        k_row = np.empty(Dh, np.float32)                            # [Dh] one rotated k head, before it is stored
-        for t in range(T):
-            for head in range(H + KVH):                             # rotate q and k (half-split pairs, ops.apply_rope)
-                for i in range(half):
-                    a, b = qkv[t, head * Dh + i], qkv[t, head * Dh + half + i]
-                    ra, rb = a * cos[t, i] - b * sin[t, i], b * cos[t, i] + a * sin[t, i]
-                    if head < H:
-                        q[t, head, i], q[t, head, half + i] = ra, rb
-                    else:
-                        k_row[i], k_row[half + i] = ra, rb
-                if head >= H:                                   # k and v go into the cache at pos + t, stored format
-                    store_row(k_cache, k_scales, pos + t, head - H, k_row)
-            for kvh in range(KVH):
-                store_row(v_cache, v_scales, pos + t, kvh, qkv[t, (H + KVH + kvh) * Dh:(H + KVH + kvh + 1) * Dh])
+        rotate_and_store(qkv, cos, sin, q, k_cache, k_scales, v_cache, v_scales, pos)
         att = np.empty((T, H, Dh), np.float32)                      # [T, H, Dh]
         S = pos + T
         decode_attention(q, k_cache[:S], first_rows(k_scales, S), v_cache[:S], first_rows(v_scales, S), pos, att,
@@ -110,4 +161,74 @@ def _compile_block(int8_inputs: bool):
     return block
 
 
+@njit(**SERIAL)
+def _block_arrays(x, w_in, k_cache, pos, n_heads, n):
+    """The threaded block's arrays (allocated outside its parallel loop, which then compiles faster): those every
+    thread writes its share of and reads whole after a barrier, and each thread's own (normed x, x after
+    attention, silu(gate) * up: [n, T, ...])."""
+    T, D = x.shape
+    KVH, Dh = k_cache.shape[1], k_cache.shape[2]
+    H, F = n_heads, w_in[0].shape[0] // 2
+    n_chunks = position_chunks(pos + T)[1]
+    shared = (np.empty((T, (H + 2 * KVH) * Dh), np.float32),        # qkv [T, (H + 2*KVH) * Dh]
+              np.empty((T, H, Dh), np.float32),                     # q [T, H, Dh], rotated
+              np.empty((T, H, Dh), np.float32),                     # att [T, H, Dh]
+              np.empty((T, D), np.float32),                         # delta [T, D]: what a sub-block adds to x
+              np.empty((T, 2 * F), np.float32),                     # gate_up [T, 2F]
+              np.empty((n_chunks, T, H), np.float32),               # attention's max per position chunk,
+              np.empty((n_chunks, T, H), np.float32),               # its sum of exponentials,
+              np.empty((n_chunks, T, H, Dh), np.float32))           # and its weighted sum of v
+    return shared, np.empty((n, T, D), np.float32), np.empty((n, T, D), np.float32), np.empty((n, T, F), np.float32)
+
+
+def _compile_threaded_block(int8_inputs: bool):
+    """The threaded block (see the module's docstring) for one activations setting, T < TILE_MIN_ROWS tokens."""
+    @njit(**PARALLEL)
+    def threaded_block(x, attn_norm, ffn_norm, wqkv, wo, w_in, w_out, vnni, k_cache, k_scales, v_cache, v_scales,
+                       pos, cos, sin, n_heads, eps, kv_shape, state, n):
+        """block's arguments, and: state, the barrier's (spin_barrier.new_state()); n, the region's threads."""
+        T, D = x.shape
+        H, Dh = n_heads, k_cache.shape[2]
+        S = pos + T
+        chunk, n_chunks = position_chunks(S)                        # attention's split, as decode_attention's
+        shared, normed, x_mid, act = _block_arrays(x, w_in, k_cache, pos, n_heads, n)
+        qkv, q, att, delta, gate_up, chunk_max, chunk_sum, chunk_out = shared
+        state[COUNT] = 0                                            # (no thread is waiting yet)
+        for tid in prange(n):                                       # one iteration per thread (threads_can_wait)
+            h, xm, a = normed[tid], x_mid[tid], act[tid]
+            # attention
+            rmsnorm_into(x, attn_norm, eps, h)
+            linear_share(wqkv, h, qkv, int8_inputs, vnni, tid, n)
+            barrier(state, n)
+            if tid == 0:                                            # microseconds: not worth splitting
+                rotate_and_store(qkv, cos, sin, q, k_cache, k_scales, v_cache, v_scales, pos)
+            barrier(state, n)
+            c0, c1 = thread_share(n_chunks, tid, n)
+            for c in range(c0, c1):
+                attend_chunk(q, k_cache[:S], first_rows(k_scales, S), v_cache[:S], first_rows(v_scales, S), pos,
+                             c * chunk, min(S, (c + 1) * chunk), chunk_max[c], chunk_sum[c], chunk_out[c], kv_shape)
+            barrier(state, n)
+            h0, h1 = thread_share(H, tid, n)
+            merge_chunks(chunk_max, chunk_sum, chunk_out, att, h0, h1)
+            barrier(state, n)
+            linear_share(wo, att.reshape(T, H * Dh), delta, int8_inputs, vnni, tid, n)
+            barrier(state, n)
+            for t in range(T):
+                for i in range(D):
+                    xm[t, i] = x[t, i] + delta[t, i]
+            # feed-forward
+            rmsnorm_into(xm, ffn_norm, eps, h)
+            linear_share(w_in, h, gate_up, int8_inputs, vnni, tid, n)
+            barrier(state, n)
+            swiglu_into(gate_up, a)
+            linear_share(w_out, a, delta, int8_inputs, vnni, tid, n)
+            barrier(state, n)
+            if tid == 0:
+                for t in range(T):
+                    for i in range(D):
+                        x[t, i] = xm[t, i] + delta[t, i]
+    return threaded_block
+
+
 BLOCKS = {False: _compile_block(False), True: _compile_block(True)}     # by activations setting
+THREADED_BLOCKS = {False: _compile_threaded_block(False), True: _compile_threaded_block(True)}

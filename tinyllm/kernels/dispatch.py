@@ -10,12 +10,13 @@ A prompt longer than SMALL_M tokens is prefilled in chunks of PREFILL_CHUNK (mod
 first two rows. Past SMALL_M rows in one pass (a batch of prompts, a no-cache pass) BLAS's sgemm is faster than
 the Numba kernels, and then everything else in the pass leaves Numba too: OpenBLAS's and Numba's threads would
 spin-wait on the same 2 cores and take turns (`for_rows` hands the model the ops of such a pass). A step of a Llama
-block on a contiguous cache runs as one compiled call (block.py) for up to FUSED_ROWS tokens.
+block on a contiguous cache runs as one compiled call (block.py) for up to FUSED_ROWS tokens; below TILE_MIN_ROWS
+tokens that call is one parallel region, whose threads take their shares of each linear through `linear_share`.
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import config
+from numba import config, njit
 from numba.core.errors import TypingError
 from numba.extending import overload
 
@@ -24,8 +25,9 @@ from . import blas, intdot
 from .attention_kernels import decode_attention, paged_decode_attention
 from .kv_formats import kernel_operands
 from .kv_rows import row_shape_of
-from .linear_kernels import (PANEL_MIN_ROWS, TILE_MIN_ROWS, linear_int8_a8, linear_panels, linear_q4, linear_q4_a8,
-                             linear_rows, linear_tiled, round_rows, weight_arrays)
+from .linear_kernels import (OUT_BLOCK, PANEL_MIN_ROWS, TILE_MIN_ROWS, _group_layout, int8_a8_task, linear_int8_a8,
+                             linear_panels, linear_q4, linear_q4_a8, linear_rows, linear_tiled, n_tasks, q4_a8_task,
+                             q4_rows_task, quantize_rows, round_rows, rows_task, split_halves, weight_arrays)
 from .pointwise import swiglu_into, swiglu_rows_into
 from .prefill_attention import tiled_causal_attention
 
@@ -51,7 +53,7 @@ def linear_into(w, x, out, int8_inputs: bool, vnni: bool) -> None:
         (few if x.shape[0] < TILE_MIN_ROWS else many)(w, round_rows(x) if int8_inputs and len(w) > 1 else x, out)
 
 
-@overload(linear_into, jit_options=dict(fastmath=True, nogil=True), prefer_literal=True)
+@overload(linear_into, jit_options=dict(fastmath=True, nogil=True, error_model="numpy"), prefer_literal=True)
 def _linear_into_typed(w, x, out, int8_inputs, vnni):
     if len(w.types) == 3:                                                # 4-bit: one kernel for any M
         few, many, integer = linear_q4, linear_q4, linear_q4_a8
@@ -76,6 +78,85 @@ def _linear_into_typed(w, x, out, int8_inputs, vnni):
     if setting is None:
         raise TypingError("linear_into: int8_inputs must be a compile-time constant in compiled code")
     return rounded if setting and len(w.types) > 1 else floats
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def thread_share(n_items, tid, n):
+    """Thread tid's contiguous share of n_items (tasks, chunks or heads) split between n threads -> (first,
+    end)."""
+    return n_items * tid // n, n_items * (tid + 1) // n
+
+
+def linear_share(w, x, out, int8_inputs: bool, vnni: bool, tid: int, n: int) -> None:
+    """Thread tid of n's share of linear_into(w, x, out) for M < TILE_MIN_ROWS rows: its contiguous run of the
+    kernel's tasks (OUT_BLOCK weight rows each), after preparing the input as the kernel does (every thread
+    prepares its own copy: microseconds, no waiting). Each task is computed by the very function the kernel's
+    parallel loop calls, so the result is bit for bit linear_into's. For block.py's threaded block."""
+    O = w[0].shape[0]
+    first, end = thread_share(n_tasks(O), tid, n)
+    if int8_inputs and len(w) == 3:
+        xq, _, xs = quantize_rows(x)
+        xg, xs4, xsum4 = _group_layout(xq, xs)
+    elif int8_inputs and len(w) == 2:
+        xq, xstart, xs = quantize_rows(x)
+    elif len(w) == 3:
+        xlo, xhi, xsum = split_halves(x, w[1].shape[1])
+    for task in range(first, end):
+        o0, o1 = task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK)
+        if int8_inputs and len(w) == 3:
+            q4_a8_task(w, xq, xs, xg, xs4, xsum4, out, o0, o1, vnni)
+        elif int8_inputs and len(w) == 2:
+            int8_a8_task(w, xq, xstart, xs, out, o0, o1, vnni)
+        elif len(w) == 3:
+            q4_rows_task(w, xlo, xhi, xsum, out, o0, o1, 0)
+        else:
+            rows_task(w, x, out, o0, o1)
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _tasks_of_thread(w, tid, n):
+    """-> (w's row count, thread tid's first task, its end)"""
+    O = w[0].shape[0]
+    first, end = thread_share(n_tasks(O), tid, n)
+    return O, first, end
+
+
+@overload(linear_share, jit_options=dict(fastmath=True, nogil=True, error_model="numpy"), prefer_literal=True)
+def _linear_share_typed(w, x, out, int8_inputs, vnni, tid, n):
+    setting = getattr(int8_inputs, "literal_value", None)
+    if setting is None:
+        raise TypingError("linear_share: int8_inputs must be a compile-time constant in compiled code")
+    four_bit, rounded = len(w.types) == 3, setting and len(w.types) > 1
+    tasks = _tasks_of_thread
+    if rounded and four_bit:
+        def q4_a8(w, x, out, int8_inputs, vnni, tid, n):
+            O, first, end = tasks(w, tid, n)
+            xq, _, xs = quantize_rows(x)
+            xg, xs4, xsum4 = _group_layout(xq, xs)
+            for task in range(first, end):
+                q4_a8_task(w, xq, xs, xg, xs4, xsum4, out, task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK),
+                           vnni)
+        return q4_a8
+    if rounded:
+        def int8_a8(w, x, out, int8_inputs, vnni, tid, n):
+            O, first, end = tasks(w, tid, n)
+            xq, xstart, xs = quantize_rows(x)
+            for task in range(first, end):
+                int8_a8_task(w, xq, xstart, xs, out, task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK), vnni)
+        return int8_a8
+    if four_bit:
+        def q4(w, x, out, int8_inputs, vnni, tid, n):
+            O, first, end = tasks(w, tid, n)
+            xlo, xhi, xsum = split_halves(x, w[1].shape[1])
+            for task in range(first, end):
+                q4_rows_task(w, xlo, xhi, xsum, out, task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK), 0)
+        return q4
+
+    def rows(w, x, out, int8_inputs, vnni, tid, n):                      # fp32, int8, int8-block: float inputs
+        O, first, end = tasks(w, tid, n)
+        for task in range(first, end):
+            rows_task(w, x, out, task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK))
+    return rows
 
 
 def linear(x: np.ndarray, w, b: np.ndarray | None = None, int8_inputs: bool = False) -> np.ndarray:

@@ -34,6 +34,14 @@ OUT_BLOCK = 16
 TILE_MIN_ROWS = 8
 
 
+@njit(fastmath=True, cache=True, inline="always")
+def n_tasks(O):
+    """How many tasks of OUT_BLOCK weight rows cover O rows (the last may be short). The kernels below for fewer
+    than TILE_MIN_ROWS input rows are each a preparation of the input and then a `*_task` function per task,
+    which is what the threaded block (block.py) calls too, for its share of the tasks."""
+    return (O + OUT_BLOCK - 1) // OUT_BLOCK
+
+
 def weight_arrays(w) -> tuple:
     """A weight (a float32 array or a quant.QuantizedWeight) as the tuple of arrays the compiled code takes."""
     return (w,) if isinstance(w, np.ndarray) else w.arrays
@@ -90,12 +98,20 @@ def _rows_from(w, x, out, o, m):
         out[m, o] = acc * s
 
 
+@njit(**SERIAL)
+def rows_task(w, x, out, o0, o1):
+    """linear_rows' task: out[:, o0:o1], weight rows o0 .. o1-1 in turn."""
+    for o in range(o0, o1):
+        _rows_from(w, x, out, o, 0)
+
+
 @njit(**PARALLEL)
 def linear_rows(w, x, out):
     """w: an fp32, int8 or int8-block [O, I] weight's arrays; x [M, I] -> out [M, O], for M < TILE_MIN_ROWS: one
-    weight row at a time, streamed from memory once for all the input rows."""
-    for o in prange(w[0].shape[0]):
-        _rows_from(w, x, out, o, 0)
+    weight row at a time, streamed from memory once for all the input rows; tasks of OUT_BLOCK rows."""
+    O = w[0].shape[0]
+    for task in prange(n_tasks(O)):
+        rows_task(w, x, out, task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK))
 
 
 @njit(**PARALLEL)
@@ -156,17 +172,9 @@ def linear_q4(w, x, out):
     O, half = packed.shape
     M = x.shape[0]
     nb = half // 16
-    xlo = np.empty((M, half), dtype=np.float32)                  # [M, I/2]
-    xhi = np.empty((M, half), dtype=np.float32)                  # [M, I/2]
-    xsum = np.zeros((M, nb), dtype=np.float32)                   # [M, I/32]
-    for m in range(M):
-        for b in range(nb):
-            for k in range(16):
-                xlo[m, b * 16 + k] = x[m, b * 32 + k]
-                xhi[m, b * 16 + k] = x[m, b * 32 + 16 + k]
-                xsum[m, b] += x[m, b * 32 + k] + x[m, b * 32 + 16 + k]
+    xlo, xhi, xsum = split_halves(x, nb)
     M4 = M - M % 4 if M >= TILE_MIN_ROWS else 0                 # input rows covered by tiles
-    for blk in prange((O + OUT_BLOCK - 1) // OUT_BLOCK):
+    for blk in prange(n_tasks(O)):
         o0 = blk * OUT_BLOCK
         o1 = min(O, o0 + OUT_BLOCK)
         o2 = o0 + (o1 - o0) // 2 * 2
@@ -197,15 +205,41 @@ def linear_q4(w, x, out):
                     a13 += mins[o + 1, b] * xsum[m + 3, b]
                 out[m, o], out[m + 1, o], out[m + 2, o], out[m + 3, o] = a00, a01, a02, a03
                 out[m, o + 1], out[m + 1, o + 1], out[m + 2, o + 1], out[m + 3, o + 1] = a10, a11, a12, a13
-        for o in range(o0, o1):                                 # what no tile covered: one dot at a time
-            for m in range(M4 if o < o2 else 0, M):
-                acc = np.float32(0.0)
-                for i in range(half):
-                    lo, hi = _nibbles(packed[o, i])
-                    acc += d[o, i >> 4] * (lo * xlo[m, i] + hi * xhi[m, i])
-                for b in range(nb):
-                    acc += mins[o, b] * xsum[m, b]
-                out[m, o] = acc
+        q4_rows_task(w, xlo, xhi, xsum, out, o0, o2, M4)       # what no tile covered: one dot at a time
+        q4_rows_task(w, xlo, xhi, xsum, out, o2, o1, 0)
+
+
+@njit(**SERIAL)
+def split_halves(x, nb):
+    """linear_q4's input preparation: x [M, I] -> xlo, xhi [M, I/2] (each block's first and second 16 values)
+    and xsum [M, I/32] (each block's sum)."""
+    M = x.shape[0]
+    xlo = np.empty((M, 16 * nb), dtype=np.float32)              # [M, I/2]
+    xhi = np.empty((M, 16 * nb), dtype=np.float32)              # [M, I/2]
+    xsum = np.zeros((M, nb), dtype=np.float32)                  # [M, I/32]
+    for m in range(M):
+        for b in range(nb):
+            for k in range(16):
+                xlo[m, b * 16 + k] = x[m, b * 32 + k]
+                xhi[m, b * 16 + k] = x[m, b * 32 + 16 + k]
+                xsum[m, b] += x[m, b * 32 + k] + x[m, b * 32 + 16 + k]
+    return xlo, xhi, xsum
+
+
+@njit(**SERIAL)
+def q4_rows_task(w, xlo, xhi, xsum, out, o0, o1, m0):
+    """linear_q4's rows o0 .. o1-1 against input rows m0 .. M-1, one dot product at a time."""
+    packed, d, mins = w
+    half, nb = packed.shape[1], d.shape[1]
+    for o in range(o0, o1):
+        for m in range(m0, xlo.shape[0]):
+            acc = np.float32(0.0)
+            for i in range(half):
+                lo, hi = _nibbles(packed[o, i])
+                acc += d[o, i >> 4] * (lo * xlo[m, i] + hi * xhi[m, i])
+            for b in range(nb):
+                acc += mins[o, b] * xsum[m, b]
+            out[m, o] = acc
 
 
 # --- many rows: weight rows dequantized once, input columns in register tiles ---------------------------------
@@ -296,7 +330,7 @@ def linear_panels(w, x, out):
 _EXACT_DIVIDE = {"nnan", "ninf", "nsz"}
 
 
-@njit(fastmath=_EXACT_DIVIDE, cache=True, nogil=True)
+@njit(fastmath=_EXACT_DIVIDE, cache=True, nogil=True, error_model="numpy")
 def quantize_rows(x):
     """x [M, I] -> (xq [M, I] int8, xstart [M, I // 32 * 8] int32, xs [M, ceil(I/32)] block scales): the twin of
     quant.quantize_activations, rounding identically. xstart, for intdot's int8 dots: over the full blocks,
@@ -327,7 +361,7 @@ def quantize_rows(x):
     return xq, xstart, xs
 
 
-@njit(fastmath=_EXACT_DIVIDE, cache=True, nogil=True)
+@njit(fastmath=_EXACT_DIVIDE, cache=True, nogil=True, error_model="numpy")
 def round_rows(x):
     """x [M, I] -> the rounded rows as float32 (xq * xs): what the float kernels multiply for int8 inputs."""
     xq, _, xs = quantize_rows(x)
@@ -378,19 +412,27 @@ def _int8_short_block(q, o, xq, xs):
     return np.float32(tail) * xs[xs.shape[0] - 1] if full < I else np.float32(0.0)
 
 
+@njit(**SERIAL)
+def int8_a8_task(w, xq, xstart, xs, out, o0, o1, vnni):
+    """linear_int8_a8's task: out[:, o0:o1], each input row's views taken once for the task's rows."""
+    for m in range(xq.shape[0]):
+        q_m, start_m, s_m = xq[m], xstart[m], xs[m]
+        if vnni:                               # two loops with a constant each, so that neither carries a branch
+            for o in range(o0, o1):
+                out[m, o] = _int8_row_dot(w, o, q_m, start_m, s_m, True)
+        else:
+            for o in range(o0, o1):
+                out[m, o] = _int8_row_dot(w, o, q_m, start_m, s_m, False)
+
+
 @njit(**PARALLEL)
 def linear_int8_a8(w, x, out, vnni):
     """w = (q [O, I] int8, scale [O] or [O, I/32]); x [M, I] is rounded to int8 blocks here -> out [M, O], each
     dot product in integers (the VNNI intrinsics if vnni, else their reference bodies)."""
     xq, xstart, xs = quantize_rows(x)
-    if vnni:                                   # two loops with a constant each, so that neither carries a branch
-        for o in prange(w[0].shape[0]):
-            for m in range(xq.shape[0]):
-                out[m, o] = _int8_row_dot(w, o, xq[m], xstart[m], xs[m], True)
-    else:
-        for o in prange(w[0].shape[0]):
-            for m in range(xq.shape[0]):
-                out[m, o] = _int8_row_dot(w, o, xq[m], xstart[m], xs[m], False)
+    O = w[0].shape[0]
+    for task in prange(n_tasks(O)):
+        int8_a8_task(w, xq, xstart, xs, out, task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK), vnni)
 
 
 @njit(**SERIAL)
@@ -420,37 +462,38 @@ def _group_layout(xq, xs):
     return xg, xs4, xsum4
 
 
-@njit(fastmath=True, cache=True, inline="always")
-def _q4_row_dot(packed, d, mins, xq, xs, xg, xs4, xsum4, o, m, vnni):
-    """Row o of a 4-bit weight times rounded input row m: its groups of blocks through dot_q4 (or its reference
-    body), an odd last block here."""
-    if vnni:
-        acc = dot_q4(packed, o, d, mins, xg[m], xs4[m], xsum4[m])
-    else:
-        acc = dot_q4_reference(packed, o, d, mins, xg[m], xs4[m], xsum4[m])
-    nb = xs.shape[1]
-    if nb % 2:
-        last, isum, xsum = nb - 1, 0, 0
-        for j in range(16):
-            byte = np.int32(packed[o, 16 * last + j])
-            lo, hi = np.int32(xq[m, BLOCK * last + j]), np.int32(xq[m, BLOCK * last + 16 + j])
-            isum += (byte & 15) * lo + (byte >> 4) * hi
-            xsum += lo + hi
-        acc += xs[m, last] * (d[o, last] * np.float32(isum) + mins[o, last] * np.float32(xsum))
-    return acc
+@njit(**SERIAL)
+def q4_a8_task(w, xq, xs, xg, xs4, xsum4, out, o0, o1, vnni):
+    """linear_q4_a8's task: out[:, o0:o1]. dot_q4 is called directly in the row loop, with each input row's views
+    taken once per task (through an inlined helper holding both dot_q4 and its reference body the loop ran
+    1.2-1.4x slower: RESULTS.md, "The 4-bit dot product called directly"); an odd last block is added after."""
+    packed, d, mins = w
+    for m in range(xq.shape[0]):
+        g, s4, sum4 = xg[m], xs4[m], xsum4[m]
+        if vnni:                               # two loops with a constant each, so that neither carries a branch
+            for o in range(o0, o1):
+                out[m, o] = dot_q4(packed, o, d, mins, g, s4, sum4)
+        else:
+            for o in range(o0, o1):
+                out[m, o] = dot_q4_reference(packed, o, d, mins, g, s4, sum4)
+    last = xs.shape[1] - 1
+    if last % 2 == 0:                          # an odd block count: the last block, in integers
+        for o in range(o0, o1):
+            for m in range(xq.shape[0]):
+                isum, xsum = 0, 0
+                for j in range(16):
+                    byte = np.int32(packed[o, 16 * last + j])
+                    lo, hi = np.int32(xq[m, BLOCK * last + j]), np.int32(xq[m, BLOCK * last + 16 + j])
+                    isum += (byte & 15) * lo + (byte >> 4) * hi
+                    xsum += lo + hi
+                out[m, o] += xs[m, last] * (d[o, last] * np.float32(isum) + mins[o, last] * np.float32(xsum))
 
 
 @njit(**PARALLEL)
 def linear_q4_a8(w, x, out, vnni):
     """w = (packed [O, I/2], d, mins [O, I/32]); x [M, I] is rounded to int8 blocks here -> out [M, O]."""
-    packed, d, mins = w
     xq, _, xs = quantize_rows(x)
     xg, xs4, xsum4 = _group_layout(xq, xs)
-    if vnni:                                   # two loops with a constant each, so that neither carries a branch
-        for o in prange(packed.shape[0]):
-            for m in range(xq.shape[0]):
-                out[m, o] = _q4_row_dot(packed, d, mins, xq, xs, xg, xs4, xsum4, o, m, True)
-    else:
-        for o in prange(packed.shape[0]):
-            for m in range(xq.shape[0]):
-                out[m, o] = _q4_row_dot(packed, d, mins, xq, xs, xg, xs4, xsum4, o, m, False)
+    O = w[0].shape[0]
+    for task in prange(n_tasks(O)):
+        q4_a8_task(w, xq, xs, xg, xs4, xsum4, out, task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK), vnni)

@@ -11,10 +11,16 @@ from llvmlite import ir
 from numba import config, njit, types
 from numba.extending import intrinsic
 
-PARALLEL = dict(parallel=True, fastmath=True, cache=True, nogil=True)   # loops worth both cores
-SERIAL = dict(fastmath=True, cache=True, nogil=True)                    # small loops: threads would cost more
+# error_model="numpy": a division by zero gives inf or NaN, as in numpy (the sampler refuses NaN or infinite logits
+# with a clear error), instead of raising, which code inside a parallel region must not do: the other threads of
+# block.py's threaded block would wait at its next barrier forever
+PARALLEL = dict(parallel=True, fastmath=True, cache=True, nogil=True, error_model="numpy")   # loops worth both cores
+SERIAL = dict(fastmath=True, cache=True, nogil=True, error_model="numpy")   # small loops: threads would cost more
 # fastmath without reassociation: exp32's two-part ln 2 would be folded back into one constant
 NO_REASSOC = {"nnan", "ninf", "nsz", "arcp", "contract"}
+# nor reciprocals or fused multiply-adds: each value is computed the same whether a loop is vectorised or not, so
+# a per-value op gives the same bits from every caller (block.py's threaded block against the kernels)
+EXACT_PER_VALUE = {"nnan", "ninf", "nsz"}
 
 if config.DISABLE_JIT:                  # stepping through as plain Python (no LLVM): the library exponential
     def exp32(x):
@@ -27,7 +33,7 @@ else:
             return builder.bitcast(args[0], ir.FloatType())
         return types.float32(types.int32), codegen
 
-    @njit(fastmath=NO_REASSOC, cache=True)
+    @njit(fastmath=NO_REASSOC, cache=True, error_model="numpy")
     def exp32(x):
         """exp(x) for float32 x = 2^n * e^r, n = round(x / ln 2), r = x - n ln 2 in [-ln2/2, ln2/2].
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .numerics import PARALLEL, SERIAL, exp32
+from .numerics import EXACT_PER_VALUE, PARALLEL, SERIAL, exp32
 
 
 @njit(**SERIAL)
@@ -37,7 +37,7 @@ def rope_into(x, cos, sin, out):
                 out[t, h, i + half] = b * cos[t, i] + a * sin[t, i]
 
 
-@njit(**SERIAL)
+@njit(fastmath=EXACT_PER_VALUE, cache=True, nogil=True, error_model="numpy")
 def _swiglu_row(gate_up, out, t):
     F = out.shape[1]
     for i in range(F):

@@ -16,21 +16,23 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import numba
 import numpy as np
 
 from ..kv_cache import int8_group, kv_storage
 from ..quant import BLOCK, Int8Block, Int8Channel, Q4Block, quantize
 from . import intdot
-from .block import BLOCKS
+from .block import BLOCKS, THREADED_BLOCKS, plain_blocks_only
 from .dispatch import FEW_TOKENS, FUSED_ROWS, attention, linear, paged_attention, swiglu
 from .kv_formats import kernel_operands
 from .kv_rows import row_shape, row_shape_of
 from .linear_kernels import PANEL_MIN_ROWS, TILE_MIN_ROWS, weight_arrays
 from .pointwise import apply_rope, rmsnorm
+from .spin_barrier import new_state
 
 FORMATS = {np.ndarray: None, Int8Channel: "int8", Int8Block: "int8-block", Q4Block: "q4_1"}
 NOTICE_AFTER_S = 1.0    # loading every kernel from the cache takes well under this; compiling takes seconds
-HELPER_TIMEOUT_S = 600  # a second process compiling the fused blocks: given up on (and done here) after this
+HELPER_TIMEOUT_S = 600  # a second process compiling the plain blocks: given up on (and done here) after this
 _done: set = set()      # what is warm, as tagged tuples: ("linear", fmt, a8, rows), ("block", fmt, a8, kv_dtype,
                         # heads), ("attention", kind, kv_dtype, heads), ("paged", kv_dtype, heads), ("ops",); heads:
                         # the model's (head size, query heads per KV head), which kv_rows.py compiles code for
@@ -42,17 +44,23 @@ def _matrix(fmt: str | None, rows: int, cols: int = BLOCK):
     return w if fmt is None else quantize(w, fmt)
 
 
-def _warm_decode_block(fmt: str | None, int8_inputs: bool, kv_dtype: str, heads: tuple) -> None:
-    """The fused block for weights of fmt, an activations setting, a cache of kv_dtype, and attention heads like
-    the model's (heads: its head size and query heads per KV head)."""
+def _warm_decode_block(fmt: str | None, int8_inputs: bool, kv_dtype: str, heads: tuple, kinds=("threaded", "plain")):
+    """The fused blocks (block.py: the threaded one, and the plain one for longer passes) for weights of fmt, an
+    activations setting, a cache of kv_dtype, and attention heads like the model's (heads: its head size and
+    query heads per KV head)."""
     H, KVH, Dh = _dummy_heads(heads, kv_dtype)                      # D = 32: one block wide
     x, norm, trig = np.ones((1, BLOCK), np.float32), np.ones(BLOCK, np.float32), np.ones((1, Dh // 2), np.float32)
     kv = kv_storage((4, KVH, Dh), kv_dtype)                         # [S_max, KVH, Dh]
     (k, k_scales), (v, v_scales) = kernel_operands(kv), kernel_operands(kv)
     mats = [weight_arrays(_matrix(fmt, rows, cols)) for rows, cols in (((H + 2 * KVH) * Dh, BLOCK), (BLOCK, H * Dh),
                                                                         (2 * BLOCK, BLOCK), (BLOCK, BLOCK))]
-    BLOCKS[int8_inputs](x, norm, norm, *mats, intdot.USE_VNNI, k, k_scales, v, v_scales, 0, trig, trig, H, 1e-5,
-                        row_shape_of(k, k_scales, H // KVH))
+    shape = row_shape_of(k, k_scales, H // KVH)
+    if "threaded" in kinds:
+        THREADED_BLOCKS[int8_inputs](x, norm, norm, *mats, intdot.USE_VNNI, k, k_scales, v, v_scales, 0, trig, trig,
+                                     H, 1e-5, shape, new_state(), numba.get_num_threads())
+    if "plain" in kinds:
+        BLOCKS[int8_inputs](x, norm, norm, *mats, intdot.USE_VNNI, k, k_scales, v, v_scales, 0, trig, trig, H, 1e-5,
+                            shape)
 
 
 def _dummy_heads(heads: tuple, kv_dtype: str) -> tuple:
@@ -106,7 +114,7 @@ def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False
     blocks = [(fmt, a8[fmt], kv_dtype, heads) for fmt in matrices
               if fused and FUSED_ROWS and ("block", fmt, a8[fmt], kv_dtype, heads) not in _done]
     with compile_notice(t0):
-        helper = _blocks_in_a_second_process(blocks)
+        helper = _blocks_in_a_second_process(blocks, "plain")
         if helper is not None:      # meanwhile, what the blocks do not contain (they hold the rest, compiled there)
             _warm_attention(kv_dtype, heads, ("prefill",))
             _warm_rope()
@@ -126,7 +134,11 @@ def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False
             swiglu(np.ones((1, 4), np.float32))
             swiglu(np.ones((4, 4), np.float32))                    # the parallel form, for batches
             _done.add(("ops",))
-        compile_blocks(blocks)
+        if _blocks_in_a_second_process(blocks, "threaded") is None:
+            compile_blocks(blocks, ("plain", "threaded"))
+        else:                       # a first run: this process goes on with the plain blocks
+            compile_blocks(blocks, ("plain",))
+            plain_blocks_only()
     return time.perf_counter() - t0
 
 
@@ -137,30 +149,37 @@ def _wait(helper) -> None:
         helper.kill()
 
 
-def compile_blocks(blocks) -> None:
-    """Compile (or load) the fused block for each (weight format, int8 activations, kv_dtype, heads) in `blocks`."""
+def compile_blocks(blocks, kinds=("plain", "threaded")) -> None:
+    """Compile (or load) the fused blocks of `kinds` for each (weight format, int8 activations, kv_dtype, heads) in
+    `blocks`."""
     for fmt, a8, kv_dtype, heads in blocks:
         heads = tuple(heads)                                          # (a list when it came as JSON)
-        _warm_decode_block(fmt, a8, kv_dtype, heads)
-        _done.add(("block", fmt, a8, kv_dtype, heads))
+        _warm_decode_block(fmt, a8, kv_dtype, heads, kinds)
+        if len(kinds) == 2:
+            _done.add(("block", fmt, a8, kv_dtype, heads))
 
 
-def _blocks_in_a_second_process(blocks):
-    """On a first run (the fused block's disk cache still empty), compile the fused blocks in a second process
-    while this one compiles the other kernels: Numba compiles one function at a time per process, so this keeps both
-    cores busy, and this process then loads the blocks from the cache. -> the process, or None (a warm cache, one
-    core, or no way to start it: this process compiles everything itself)."""
+def _blocks_in_a_second_process(blocks, kind: str):
+    """On a first run (that kind of fused block's disk cache still empty), compile the blocks in a second process:
+    Numba compiles one function at a time per process. The plain blocks (which hold most kernels) compile there
+    while this process compiles the rest, and it waits for them; the threaded blocks (one parallel region holding
+    a whole block, slow to compile) are started last and not waited for: this process runs with the plain blocks,
+    and later runs load the threaded ones from the cache. -> the process, or None (a warm cache, one core, or no
+    way to start it: this process compiles everything itself)."""
     if not blocks or (os.cpu_count() or 1) < 2 or os.environ.get("TINYLLM_COMPILE_HELPER", "1") == "0":
         return None
     try:
-        if any(BLOCKS[a8]._cache._cache_file._load_index() for _, a8, _, _ in blocks):   # (Numba's cache index)
+        kernels = BLOCKS if kind == "plain" else THREADED_BLOCKS
+        if any(kernels[a8]._cache._cache_file._load_index() for _, a8, _, _ in blocks):   # (Numba's cache index)
             return None
         root = Path(__file__).resolve().parents[2]                   # the folder holding this tinyllm package
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p))
         code = ("import json, sys\nfrom tinyllm.kernels.warmup import compile_blocks\n"
-                "compile_blocks(json.loads(sys.argv[1]))")
-        return subprocess.Popen([sys.executable, "-c", code, json.dumps(blocks)], env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                "compile_blocks(json.loads(sys.argv[1]), (sys.argv[2],))")
+        background = kind == "threaded" and hasattr(os, "nice")     # at the lowest priority: not in the way of
+        return subprocess.Popen([sys.executable, "-c", code, json.dumps(blocks), kind], env=env,   # this run's threads
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                preexec_fn=(lambda: os.nice(19)) if background else None)
     except (AttributeError, OSError):
         return None
 
