@@ -380,13 +380,14 @@ assert helper.wait(timeout=600) == 0
 assert block.BLOCKS[False]._cache._cache_file._load_index(), "the second process filled the disk cache"
 assert warmup._blocks_in_a_second_process(blocks, "plain") is None, "a warm cache: nothing to hand over"
 
+assert not warmup._threaded_in_the_cache(blocks)
 warmup.warmup((warmup.Q4Block,), heads=(64, 3))    # the threaded blocks: compiling in the background, not waited for
 assert block._plain_only, "this process goes on with the plain blocks"
 waited = 0
-while not block.THREADED_BLOCKS[False]._cache._cache_file._load_index() and waited < 600:
+while not warmup._threaded_in_the_cache(blocks) and waited < 600:
     time.sleep(1)
     waited += 1
-assert warmup._blocks_in_a_second_process(blocks, "threaded") is None, "the helper filled the cache"
+assert warmup._threaded_in_the_cache(blocks), "the helper filled the cache: later runs load the threaded blocks"
 """
 
 
@@ -578,3 +579,62 @@ def test_threaded_block_gives_the_same_bits_on_one_thread():
         numba.set_num_threads(threads)
     np.testing.assert_array_equal(results[0][0], results[1][0])
     np.testing.assert_array_equal(results[0][1], results[1][1])
+
+
+def test_the_threaded_block_stays_off_where_a_region_could_have_fewer_threads(monkeypatch):
+    """With OMP_DYNAMIC, or an OMP_THREAD_LIMIT below Numba's thread count, OpenMP may run a region's iterations on
+    fewer threads than there are, and a thread would wait at a barrier for one that never comes: the plain block
+    runs instead (block.threads_can_wait)."""
+    import numba
+
+    from tinyllm import kernels
+    from tinyllm.kernels import block
+    kernels.swiglu(np.ones((4, 8), np.float32))                 # a parallel region: the threading layer is chosen
+    layer = numba.threading_layer()
+    monkeypatch.setattr(block, "_layer_ok", False)
+    assert block.threads_can_wait() == (layer in ("omp", "workqueue"))
+    if layer != "omp" or numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip(f"the OpenMP settings matter only to the omp layer with 2+ threads (here {layer})")
+    for name, value in (("OMP_DYNAMIC", "true"), ("OMP_THREAD_LIMIT", "1")):
+        monkeypatch.setattr(block, "_layer_ok", False)
+        monkeypatch.setenv(name, value)
+        assert not block.threads_can_wait(), name
+        monkeypatch.delenv(name)
+
+
+@pytest.mark.parametrize("fmt", [None, "int8", "int8-block", "q4_1"])
+@pytest.mark.parametrize("a8", [False, True])
+def test_the_threads_shares_of_a_linear_make_the_whole(fmt, a8):
+    """dispatch.linear_share: threads 0 .. n-1 each writing their share of the tasks give, bit for bit, the output
+    of linear_into (the kernel runs the same task functions in its parallel loop), for any thread count. (Rows of
+    an even number of 32-value blocks, as every model here has: with an odd count, per-row int8 with int8 inputs
+    came out 1 ulp apart, the compiled contexts rounding the last block's share differently.)"""
+    from tinyllm.kernels import intdot
+    from tinyllm.kernels.dispatch import linear_into
+    from tinyllm.kernels.linear_kernels import weight_arrays
+    from tinyllm.quant import quantize
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((70, 128)).astype(np.float32)               # 5 tasks, the last short; 4 blocks of 32
+    arrays = weight_arrays(w if fmt is None else quantize(w, fmt))
+    x = rng.standard_normal((3, 128)).astype(np.float32)
+    a8 = a8 and fmt is not None
+    whole = np.empty((3, 70), np.float32)
+    linear_into(arrays, x, whole, a8, intdot.USE_VNNI)
+    every_share = _every_share(a8)
+    for n in (1, 2, 3):
+        shares = np.full((3, 70), np.nan, np.float32)
+        every_share(arrays, x, shares, intdot.USE_VNNI, n)
+        np.testing.assert_array_equal(shares, whole)
+
+
+def _every_share(a8: bool):
+    """Compiled, as the threaded block calls it: linear_share for threads 0 .. n-1 in turn."""
+    from numba import njit
+
+    from tinyllm.kernels.dispatch import linear_share
+
+    @njit
+    def every_share(w, x, out, vnni, n):
+        for tid in range(n):
+            linear_share(w, x, out, a8, vnni, tid, n)
+    return every_share

@@ -15,6 +15,8 @@ functions the kernels' parallel loops call, so its results are the plain block's
 """
 from __future__ import annotations
 
+import os
+
 import numba
 import numpy as np
 from numba import njit, prange
@@ -52,10 +54,11 @@ def decode_blocks(x, weights, caches, start: int, cos, sin, n_heads: int, eps: f
     the tokens' positions; int8_inputs: the activations setting."""
     vnni = intdot.USE_VNNI
     if x.shape[0] < TILE_MIN_ROWS and not _plain_only and threads_can_wait():
-        block, state, n = THREADED_BLOCKS[int8_inputs], new_state(), numba.get_num_threads()   # (a state per
+        block, n = THREADED_BLOCKS[int8_inputs], numba.get_num_threads()
+        state = new_state()                                        # a barrier per call: two callers never share one
         for (attn_norm, ffn_norm, wqkv, wo, w_in, w_out), (k, k_scales, v, v_scales, shape) in zip(weights, caches):
             block(x, attn_norm, ffn_norm, wqkv, wo, w_in, w_out, vnni, k, k_scales, v, v_scales, start, cos, sin,
-                  n_heads, eps, shape, state, n)                                          # call: reentrant)
+                  n_heads, eps, shape, state, n)
         return
     block = BLOCKS[int8_inputs]
     for (attn_norm, ffn_norm, wqkv, wo, w_in, w_out), (k, k_scales, v, v_scales, shape) in zip(weights, caches):
@@ -75,14 +78,19 @@ def plain_blocks_only() -> None:
 def threads_can_wait() -> bool:
     """Whether the threaded block may run: Numba's threading layer gives each thread of a region its own
     iteration of `prange(get_num_threads())` (omp, workqueue), so that threads waiting at a barrier cannot hold up
-    the one they wait for. TBB's work stealing does not promise that; nor is the layer known before the first
-    parallel region has run (then the plain block runs, which starts one)."""
+    the one they wait for. TBB's work stealing does not promise that, nor OpenMP when OMP_DYNAMIC or
+    OMP_THREAD_LIMIT let it start fewer threads than asked; nor is the layer known before the first parallel
+    region has run (then the plain block runs, which starts one)."""
     global _layer_ok
     if not _layer_ok:
         try:
-            _layer_ok = numba.threading_layer() in ("omp", "workqueue")
+            layer = numba.threading_layer()
         except ValueError:
             return False
+        limit = os.environ.get("OMP_THREAD_LIMIT", "").strip()
+        fewer = (os.environ.get("OMP_DYNAMIC", "").strip().lower() in ("true", "1", "yes")
+                 or (limit.isdigit() and int(limit) < numba.config.NUMBA_NUM_THREADS))
+        _layer_ok = layer == "workqueue" or (layer == "omp" and not fewer)
     return _layer_ok
 
 

@@ -22,7 +22,7 @@ from numba.extending import overload
 from ..quant import BLOCK
 from .intdot import (dot_int8, dot_int8_block, dot_int8_block_reference, dot_int8_reference, dot_q4,
                      dot_q4_reference, q4_group)
-from .numerics import PARALLEL, SERIAL
+from .numerics import EXACT_PER_VALUE, PARALLEL, SERIAL
 from .register_tiles import LANES, TILE_ROWS, product
 
 # Work is split over the cores by blocks of OUT_BLOCK weight rows; a block's rows stay in cache while every input
@@ -209,10 +209,11 @@ def linear_q4(w, x, out):
         q4_rows_task(w, xlo, xhi, xsum, out, o2, o1, 0)
 
 
-@njit(**SERIAL)
+@njit(fastmath=EXACT_PER_VALUE, cache=True, nogil=True, error_model="numpy")
 def split_halves(x, nb):
     """linear_q4's input preparation: x [M, I] -> xlo, xhi [M, I/2] (each block's first and second 16 values)
-    and xsum [M, I/32] (each block's sum)."""
+    and xsum [M, I/32] (each block's sum, added in order: with reassociation its rounding depended on the caller,
+    and the threaded block's 4-bit shares would differ from linear_q4's)."""
     M = x.shape[0]
     xlo = np.empty((M, 16 * nb), dtype=np.float32)              # [M, I/2]
     xhi = np.empty((M, 16 * nb), dtype=np.float32)              # [M, I/2]

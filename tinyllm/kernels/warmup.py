@@ -44,23 +44,40 @@ def _matrix(fmt: str | None, rows: int, cols: int = BLOCK):
     return w if fmt is None else quantize(w, fmt)
 
 
-def _warm_decode_block(fmt: str | None, int8_inputs: bool, kv_dtype: str, heads: tuple, kinds=("threaded", "plain")):
-    """The fused blocks (block.py: the threaded one, and the plain one for longer passes) for weights of fmt, an
-    activations setting, a cache of kv_dtype, and attention heads like the model's (heads: its head size and
-    query heads per KV head)."""
+def _block_arguments(fmt: str | None, kv_dtype: str, heads: tuple) -> tuple:
+    """A small block's arguments, typed and laid out as the model passes them: weights of fmt, a cache of kv_dtype,
+    attention heads like the model's (heads: its head size and query heads per KV head)."""
     H, KVH, Dh = _dummy_heads(heads, kv_dtype)                      # D = 32: one block wide
     x, norm, trig = np.ones((1, BLOCK), np.float32), np.ones(BLOCK, np.float32), np.ones((1, Dh // 2), np.float32)
     kv = kv_storage((4, KVH, Dh), kv_dtype)                         # [S_max, KVH, Dh]
     (k, k_scales), (v, v_scales) = kernel_operands(kv), kernel_operands(kv)
     mats = [weight_arrays(_matrix(fmt, rows, cols)) for rows, cols in (((H + 2 * KVH) * Dh, BLOCK), (BLOCK, H * Dh),
                                                                         (2 * BLOCK, BLOCK), (BLOCK, BLOCK))]
-    shape = row_shape_of(k, k_scales, H // KVH)
-    if "threaded" in kinds:
-        THREADED_BLOCKS[int8_inputs](x, norm, norm, *mats, intdot.USE_VNNI, k, k_scales, v, v_scales, 0, trig, trig,
-                                     H, 1e-5, shape, new_state(), numba.get_num_threads())
+    return (x, norm, norm, *mats, intdot.USE_VNNI, k, k_scales, v, v_scales, 0, trig, trig, H, 1e-5,
+            row_shape_of(k, k_scales, H // KVH))
+
+
+def _warm_decode_block(fmt: str | None, int8_inputs: bool, kv_dtype: str, heads: tuple, kinds=("plain", "threaded")):
+    """The fused blocks of `kinds` (block.py: "plain", "threaded") for weights of fmt, an activations setting, a
+    cache of kv_dtype, and attention heads like the model's."""
+    args = _block_arguments(fmt, kv_dtype, heads)
     if "plain" in kinds:
-        BLOCKS[int8_inputs](x, norm, norm, *mats, intdot.USE_VNNI, k, k_scales, v, v_scales, 0, trig, trig, H, 1e-5,
-                            shape)
+        BLOCKS[int8_inputs](*args)
+    if "threaded" in kinds:
+        THREADED_BLOCKS[int8_inputs](*args, new_state(), numba.get_num_threads())
+
+
+def _threaded_in_the_cache(blocks) -> bool:
+    """Whether Numba's disk cache holds the threaded block for every (fmt, int8 activations, kv_dtype, heads) in
+    `blocks` (calling it then loads its code instead of compiling it: ~9 s)."""
+    for fmt, a8, kv_dtype, heads in blocks:
+        kernel = THREADED_BLOCKS[a8]
+        signature = tuple(kernel.typeof_pyval(a) for a in (*_block_arguments(fmt, kv_dtype, tuple(heads)),
+                                                             new_state(), 1))
+        index = kernel._cache._cache_file._load_index()            # Numba's cache index: (signature, ...) keys
+        if signature not in kernel.overloads and not any(key[0] == signature for key in index):
+            return False
+    return True
 
 
 def _dummy_heads(heads: tuple, kv_dtype: str) -> tuple:
@@ -134,9 +151,9 @@ def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False
             swiglu(np.ones((1, 4), np.float32))
             swiglu(np.ones((4, 4), np.float32))                    # the parallel form, for batches
             _done.add(("ops",))
-        if _blocks_in_a_second_process(blocks, "threaded") is None:
+        if _threaded_in_the_cache(blocks) or _blocks_in_a_second_process(blocks, "threaded") is None:
             compile_blocks(blocks, ("plain", "threaded"))
-        else:                       # a first run: this process goes on with the plain blocks
+        else:                       # not compiled yet: a second process does it, this one goes on with the plain blocks
             compile_blocks(blocks, ("plain",))
             plain_blocks_only()
     return time.perf_counter() - t0
@@ -160,18 +177,17 @@ def compile_blocks(blocks, kinds=("plain", "threaded")) -> None:
 
 
 def _blocks_in_a_second_process(blocks, kind: str):
-    """On a first run (that kind of fused block's disk cache still empty), compile the blocks in a second process:
-    Numba compiles one function at a time per process. The plain blocks (which hold most kernels) compile there
-    while this process compiles the rest, and it waits for them; the threaded blocks (one parallel region holding
-    a whole block, slow to compile) are started last and not waited for: this process runs with the plain blocks,
-    and later runs load the threaded ones from the cache. -> the process, or None (a warm cache, one core, or no
-    way to start it: this process compiles everything itself)."""
+    """Compile fused blocks of one kind in a second process: Numba compiles one function at a time per process.
+    The plain blocks (which hold most kernels) compile there on a first run (their cache empty) while this process
+    compiles the rest, and it waits for them; the threaded blocks (a whole block in one parallel region: ~9 s to
+    compile), whenever the cache lacks one this model needs, at the lowest priority and not waited for: this
+    process runs with the plain blocks, later runs load the threaded ones. -> the process, or None (a warm cache,
+    one core, or no way to start it: this process compiles everything itself)."""
     if not blocks or (os.cpu_count() or 1) < 2 or os.environ.get("TINYLLM_COMPILE_HELPER", "1") == "0":
         return None
     try:
-        kernels = BLOCKS if kind == "plain" else THREADED_BLOCKS
-        if any(kernels[a8]._cache._cache_file._load_index() for _, a8, _, _ in blocks):   # (Numba's cache index)
-            return None
+        if kind == "plain" and any(BLOCKS[a8]._cache._cache_file._load_index() for _, a8, _, _ in blocks):   # (Numba's
+            return None                                                                                 # cache index)
         root = Path(__file__).resolve().parents[2]                   # the folder holding this tinyllm package
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p))
         code = ("import json, sys\nfrom tinyllm.kernels.warmup import compile_blocks\n"
