@@ -7,10 +7,12 @@ model will run and nothing more: its weight formats, its activations setting, it
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -33,6 +35,7 @@ from .spin_barrier import new_state
 FORMATS = {np.ndarray: None, Int8Channel: "int8", Int8Block: "int8-block", Q4Block: "q4_1"}
 NOTICE_AFTER_S = 1.0    # loading every kernel from the cache takes well under this; compiling takes seconds
 HELPER_TIMEOUT_S = 600  # a second process compiling the plain blocks: given up on (and done here) after this
+_threaded_helper = None  # the second process compiling threaded blocks, if this process started one
 _done: set = set()      # what is warm, as tagged tuples: ("linear", fmt, a8, rows), ("block", fmt, a8, kv_dtype,
                         # heads), ("attention", kind, kv_dtype, heads), ("paged", kv_dtype, heads), ("ops",); heads:
                         # the model's (head size, query heads per KV head), which kv_rows.py compiles code for
@@ -123,6 +126,7 @@ def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False
     row per sequence: its tiled kernel waits for batches, warmup_paged); all for its activations setting
     (int8_inputs) and a KV cache of kv_dtype; attention for `heads` (the model's head size and query heads per KV
     head: kv_rows.py compiles code for them) and the small ops. -> seconds it took."""
+    global _threaded_helper
     t0 = time.perf_counter()
     matrices, head_formats = {FORMATS[t] for t in matrix_types}, {FORMATS[t] for t in head_types}
     a8 = {fmt: int8_inputs and fmt is not None for fmt in matrices | head_formats}   # int8 activations: quantized
@@ -151,9 +155,11 @@ def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False
             swiglu(np.ones((1, 4), np.float32))
             swiglu(np.ones((4, 4), np.float32))                    # the parallel form, for batches
             _done.add(("ops",))
-        if _threaded_in_the_cache(blocks) or _blocks_in_a_second_process(blocks, "threaded") is None:
+        if _threaded_helper is None and not _threaded_in_the_cache(blocks):   # (one helper per process at most,
+            _threaded_helper = _blocks_in_a_second_process(blocks, "threaded")   # and per machine, by a lock file)
+        if _threaded_helper is None:
             compile_blocks(blocks, ("plain", "threaded"))
-        else:                       # not compiled yet: a second process does it, this one goes on with the plain blocks
+        else:                       # being compiled by a second process: this one goes on with the plain blocks
             compile_blocks(blocks, ("plain",))
             plain_blocks_only()
     return time.perf_counter() - t0
@@ -189,15 +195,44 @@ def _blocks_in_a_second_process(blocks, kind: str):
         if kind == "plain" and any(BLOCKS[a8]._cache._cache_file._load_index() for _, a8, _, _ in blocks):   # (Numba's
             return None                                                                                 # cache index)
         root = Path(__file__).resolve().parents[2]                   # the folder holding this tinyllm package
+        lock = ""
+        if kind == "threaded":      # another process compiling these already: it will fill the cache
+            lock = _claim(root, blocks)
+            if lock is None:
+                return _ELSEWHERE
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p))
-        code = ("import json, sys\nfrom tinyllm.kernels.warmup import compile_blocks\n"
-                "compile_blocks(json.loads(sys.argv[1]), (sys.argv[2],))")
+        code = ("import json, os, sys\nfrom tinyllm.kernels.warmup import compile_blocks\n"
+                "compile_blocks(json.loads(sys.argv[1]), (sys.argv[2],))\n"
+                "if sys.argv[3]:\n    os.remove(sys.argv[3])")
         background = kind == "threaded" and hasattr(os, "nice")     # at the lowest priority: not in the way of
-        return subprocess.Popen([sys.executable, "-c", code, json.dumps(blocks), kind], env=env,   # this run's threads
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        return subprocess.Popen([sys.executable, "-c", code, json.dumps(blocks), kind, lock], env=env,   # this
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,                    # run's threads
                                 preexec_fn=(lambda: os.nice(19)) if background else None)
     except (AttributeError, OSError):
         return None
+
+
+_ELSEWHERE = "compiling in another process"
+LOCK_STALE_S = 900      # a helper's lock file older than this: the helper died; take over
+
+
+def _claim(root: Path, blocks) -> str | None:
+    """A lock file for compiling these threaded blocks (one per machine, package and Numba cache) -> its path, or
+    None if another process holds a fresh one."""
+    key = json.dumps([str(root), sys.executable, os.environ.get("NUMBA_CACHE_DIR", ""), blocks])
+    path = Path(tempfile.gettempdir()) / f"tinyllm-threaded-{hashlib.sha1(key.encode()).hexdigest()[:16]}.lock"
+    for _ in range(2):
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return str(path)
+        except FileExistsError:
+            try:
+                if time.time() - path.stat().st_mtime < LOCK_STALE_S:
+                    return None
+                path.unlink()
+            except OSError:
+                return None
+    return None
 
 
 def warmup_paged(kv_dtype: str = "float32", heads: tuple = (64, 1)) -> float:
