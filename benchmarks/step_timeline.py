@@ -4,9 +4,9 @@
 
 A decode step (batch 1, `model.decode_step` at a fixed context, as ab_decode.py measures it) is timed whole, and
 then in pieces:
-  blocks      the 30 fused block calls (kernels/block.py's decode_blocks: the threaded block, one parallel region
-              per layer) with their arguments built in advance: the step without Python's bookkeeping, the
-              embedding row and the head
+  blocks      the 30 fused block calls (kernels/block.py's decode_blocks; for quantized weights the
+              threaded block, one parallel region per layer) with their arguments built in advance: the step
+              without Python's bookkeeping, the embedding row and the head
   kernels     the step's kernels alone, in the step's order (per layer wqkv, attention, wo, w_in, w_out; then the
               head), all from one compiled loop: no Python and none of a block's own work between them
   wqkv .. head

@@ -7,11 +7,12 @@ logits and the cache are bit for bit those of the op-by-op path (tests/test_mode
 
 Two versions. The plain block calls the kernels one after another, and each kernel starts and joins its own
 parallel region (about 5 per layer). The threaded block, for fewer than TILE_MIN_ROWS tokens (a decode step, a
-short verification), is one parallel region per layer: both threads run the whole block, each taking its share
-of every matrix's rows (and of attention's position chunks and heads) and meeting at a spin barrier
-(spin_barrier.py) between the stages that need each other's results; the small per-token work (RMSNorm, the
-input's rounding, SwiGLU) every thread does for itself rather than wait. Its shares are computed by the very
-functions the kernels' parallel loops call, so its results are the plain block's, bit for bit.
+short verification) of a model with quantized weights, is one parallel region per layer: both threads run the
+whole block, each taking its share of every matrix's rows (and of attention's position chunks and heads) and
+meeting at a spin barrier (spin_barrier.py) between the stages that need each other's results; the small
+per-token work (RMSNorm, the input's rounding, SwiGLU) every thread does for itself rather than wait. Its shares
+are computed by the very functions the kernels' parallel loops call, so its results are the plain block's, bit
+for bit.
 """
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def decode_blocks(x, weights, caches, start: int, cos, sin, n_heads: int, eps: f
     block_weights(layer i); caches[i]: cache_operands of layer i's K and V; cos, sin [T, Dh/2]: the rotations of
     the tokens' positions; int8_inputs: the activations setting."""
     vnni = intdot.USE_VNNI
-    if x.shape[0] < TILE_MIN_ROWS and not _plain_only and threads_can_wait():
+    quantized = len(weights[0][2]) > 1      # (fp32 gained nothing from the threaded block: RESULTS.md, "One
+    if x.shape[0] < TILE_MIN_ROWS and quantized and not _plain_only and threads_can_wait():  # parallel region")
         block, n = THREADED_BLOCKS[int8_inputs], numba.get_num_threads()
         state = new_state()                                        # a barrier per call: two callers never share one
         for (attn_norm, ffn_norm, wqkv, wo, w_in, w_out), (k, k_scales, v, v_scales, shape) in zip(weights, caches):

@@ -66,7 +66,7 @@ def _warm_decode_block(fmt: str | None, int8_inputs: bool, kv_dtype: str, heads:
     args = _block_arguments(fmt, kv_dtype, heads)
     if "plain" in kinds:
         BLOCKS[int8_inputs](*args)
-    if "threaded" in kinds:
+    if "threaded" in kinds and fmt is not None:                   # (quantized weights only: block.decode_blocks)
         THREADED_BLOCKS[int8_inputs](*args, new_state(), numba.get_num_threads())
 
 
@@ -74,6 +74,8 @@ def _threaded_in_the_cache(blocks) -> bool:
     """Whether Numba's disk cache holds the threaded block for every (fmt, int8 activations, kv_dtype, heads) in
     `blocks` (calling it then loads its code instead of compiling it: ~9 s)."""
     for fmt, a8, kv_dtype, heads in blocks:
+        if fmt is None:                                             # fp32 runs the plain block
+            continue
         kernel = THREADED_BLOCKS[a8]
         signature = tuple(kernel.typeof_pyval(a) for a in (*_block_arguments(fmt, kv_dtype, tuple(heads)),
                                                              new_state(), 1))
