@@ -41,7 +41,7 @@ def test_linear_panels_matches_numpy(fmt, M, O, I):
 @pytest.mark.parametrize("O, I", [(1, 32), (33, 64), (130, 96), (7, 1536), (5, 544)])
 def test_linear_with_int8_inputs_matches_numpy(fmt, M, O, I):
     """Weights that multiply int8-rounded inputs: the integer (VNNI) kernels below TILE_MIN_ROWS rows, the tiled
-    float kernels on the rounded rows above (the integer tiles for int8 weights past FEW_TOKENS rows, with VNNI),
+    float kernels on the rounded rows above (the integer tiles past FEW_TOKENS rows, with VNNI),
     BLAS beyond SMALL_M rows, all against ops.linear."""
     w = RNG.normal(0, 0.1, (O, I)).astype(np.float32)
     x = RNG.normal(0, 1, (M, I)).astype(np.float32)
@@ -86,12 +86,12 @@ def test_integer_kernels_match_the_float_kernels_on_rounded_inputs(fmt, I, vnni)
 
 
 @pytest.mark.skipif(not kernels.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI")
-@pytest.mark.parametrize("fmt", ["int8", "int8-block"])
+@pytest.mark.parametrize("fmt", list(quant.FORMATS))
 @pytest.mark.parametrize("O, I", [(16, 64), (21, 96), (48, 576), (35, 1536)])
-def test_int8_panels_and_tiles_equal_their_reference_bodies(fmt, O, I):
+def test_integer_panels_and_tiles_equal_their_reference_bodies(fmt, O, I):
     """int8_tiles.py's contract: the IR panel (16 whole rows and I a multiple of 64; otherwise the plain loops run)
-    and the IR tile against their plain bodies, a tile written at an offset into a larger output and nowhere else;
-    the last panel short (rows past O zero)."""
+    and the IR tile against their plain bodies, a tile written at an offset into a larger output and nowhere else,
+    and against the float product of the rounded rows; the last panel short (rows past O zero)."""
     from numba import njit
     from tinyllm.kernels import int8_tiles
 
@@ -99,41 +99,50 @@ def test_int8_panels_and_tiles_equal_their_reference_bodies(fmt, O, I):
     def pack(q, o0, panel):
         int8_tiles.pack_words(q, o0, panel)
 
-    cols, int8_tile = int8_tiles.TILE_COLS, int8_tiles.int8_tile
+    cols, int8_tile, four_bit = int8_tiles.TILE_COLS, int8_tiles.int8_tile, fmt == "q4_1"
 
     @njit
-    def tile(panel, scales, xq, xcorr, xs, c0, out, m0, o0):
-        int8_tile(panel, scales, xq, xcorr, xs, c0, out, m0, o0, cols)     # (cols: a compile-time constant)
+    def tile(panel, scales, minimums, xq, xcorr, xs, xsum, c0, out, m0, o0):
+        int8_tile(panel, scales, minimums, xq, xcorr, xs, xsum, c0, out, m0, o0, cols, four_bit)   # (constants)
 
     rng = np.random.default_rng(7)
     qw = quant.quantize(rng.normal(0, 0.1, (O, I)).astype(np.float32), fmt)
-    q, s = qw.arrays[0], qw.arrays[1].reshape(O, -1)
     x = rng.normal(0, 1, (11, I)).astype(np.float32)
     x[3, :5] *= 40                                                    # an outlier block
-    xq, xcorr, xs = lin.tile_inputs(x, int8_tiles.TILE_COLS)         # 11 rows padded to 2 tiles
-    assert xq.shape[0] == 2 * int8_tiles.TILE_COLS and not xq[11:].any() and not xs[11:].any()
+    xq, xcorr, xs, xsum = lin.tile_inputs(x, cols)                   # 11 rows padded to 2 tiles
+    assert xq.shape[0] == 2 * cols and not xq[11:].any() and not xs[11:].any()
     for o0 in range(0, O, int8_tiles.PANEL_ROWS):
         panel, want = np.empty((I // 4, 64), np.int8), np.full((I // 4, 64), 99, np.int8)
-        scales = np.empty((I // 32, 16), np.float32)
-        int8_tiles.pack_panel(q, s, o0, panel, scales)                # the IR where the panel is whole
-        int8_tiles.pack_words_reference(q, o0, want)
+        scales, minimums = np.empty((I // 32, 16), np.float32), np.zeros((I // 32, 16), np.float32)
+        if four_bit:
+            values = np.empty((16, I), np.int8)
+            int8_tiles.pack_q4_panel(qw.packed, qw.d, qw.m, o0, values, panel, scales, minimums)
+            rows = np.zeros((16, I), np.int8)                         # the 4-bit values, unpacked in numpy
+            nib = qw.packed[o0:o0 + 16].reshape(-1, I // 32, 16)
+            rows[:len(nib)] = np.concatenate([nib & 15, nib >> 4], axis=-1).reshape(len(nib), I)
+            np.testing.assert_array_equal(values, rows)
+            int8_tiles.pack_words_reference(values, 0, want)
+        else:
+            q, s = qw.arrays[0], qw.arrays[1].reshape(O, -1)
+            int8_tiles.pack_panel(q, s, o0, panel, scales)            # the IR where the panel is whole
+            int8_tiles.pack_words_reference(q, o0, want)
+            if O - o0 >= 16:
+                pack(q, o0, want)
         np.testing.assert_array_equal(panel, want)
-        if O - o0 >= 16:
-            pack(q, o0, want)
-            np.testing.assert_array_equal(want, panel)
-        for c0 in (0, int8_tiles.TILE_COLS):
+        for c0 in (0, cols):
             got, ref = np.full((20, 40), np.nan, np.float32), np.full((20, 40), np.nan, np.float32)
-            tile(panel, scales, xq, xcorr, xs, c0, got, 3, 7)
-            int8_tiles.int8_tile_reference(panel, scales, xq, xcorr, xs, c0, ref, 3, 7, int8_tiles.TILE_COLS)
+            tile(panel, scales, minimums, xq, xcorr, xs, xsum, c0, got, 3, 7)
+            int8_tiles.int8_tile_reference(panel, scales, minimums, xq, xcorr, xs, xsum, c0, ref, 3, 7, cols,
+                                           four_bit)
             written = np.zeros((20, 40), bool)
-            written[3:3 + int8_tiles.TILE_COLS, 7:23] = True
+            written[3:3 + cols, 7:23] = True
             assert np.isnan(got[~written]).all() and not np.isnan(got[written]).any()
             np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6 * np.sqrt(I))
             n = min(O - o0, 16)                                       # and the float product of the rounded rows
-            m = min(11 - c0, int8_tiles.TILE_COLS)
+            m = min(11 - c0, cols)
             exact = quant.round_activations(x)[c0:c0 + m] @ qw.dequantize()[o0:o0 + n].T
             np.testing.assert_allclose(got[3:3 + m, 7:7 + n], exact, rtol=1e-5, atol=2e-5 * np.sqrt(I))
-            assert (got[3 + m:3 + int8_tiles.TILE_COLS, 7:23] == 0).all()    # the padded rows: zeros
+            assert (got[3 + m:3 + cols, 7:23] == 0).all()              # the padded rows: zeros
             assert (got[3:3 + m, 7 + n:23] == 0).all()                 # the short panel's zero rows
 
 

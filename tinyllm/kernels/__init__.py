@@ -10,7 +10,7 @@ ops.py and a parity test (tests/test_kernels.py). The files, in the order a deco
     attention_kernels.py  decode (flash-decoding) and paged (PagedAttention) attention
     prefill_attention.py  prompt chunks against a long cache: query blocks x key blocks, online softmax
     register_tiles.py     small matrix products, the sums held in registers (LLVM IR): prefill's attention, linears
-    int8_tiles.py         a prompt chunk's int8 linears in integer register tiles (VNNI, LLVM IR)
+    int8_tiles.py         a prompt chunk's quantized linears in integer register tiles (VNNI, LLVM IR)
     kv_formats.py         the KV cache's stored formats (float32, float16, int8) as the kernels read and write them
     kv_rows.py            decode attention's inner steps on one cached row for a KV head's query heads (LLVM IR)
     llvm_ir.py            the LLVM IR pieces the IR kernels share

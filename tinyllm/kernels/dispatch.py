@@ -3,9 +3,9 @@
     rows in the pass     linears                                 attention
     1 .. FEW_TOKENS      linear_kernels.py (see linear_into)     decode_attention (flash-decoding)
     .. SMALL_M           linear_kernels.py (linear_panels from   tiled_causal_attention (prefill_attention.py)
-                         PANEL_MIN_ROWS, fp32 and 4-bit; int8
-                         weights with int8 inputs: the integer
-                         tiles of int8_tiles.py)
+                         PANEL_MIN_ROWS, fp32 and 4-bit; with
+                         int8 inputs, from FEW_TOKENS + 1: the
+                         integer tiles of int8_tiles.py)
     more                 BLAS sgemm (blas.py)                    numpy (ops.attention)
 
 A prompt longer than SMALL_M tokens is prefilled in chunks of PREFILL_CHUNK (model.prefill), so it stays in the
@@ -29,7 +29,7 @@ from .attention_kernels import decode_attention, paged_decode_attention
 from .kv_formats import kernel_operands
 from .kv_rows import row_shape_of
 from .linear_kernels import (OUT_BLOCK, PANEL_MIN_ROWS, TILE_MIN_ROWS, _group_layout, int8_a8_task, linear_int8_a8,
-                             linear_int8_panels, linear_panels, linear_q4, linear_q4_a8, linear_rows, linear_tiled,
+                             linear_integer_panels, linear_panels, linear_q4, linear_q4_a8, linear_rows, linear_tiled,
                              n_tasks, q4_a8_task, q4_rows_task, quantize_rows, round_rows, rows_task, split_halves,
                              weight_arrays)
 from .pointwise import swiglu_into, swiglu_rows_into
@@ -54,8 +54,8 @@ def linear_into(w, x, out, int8_inputs: bool, vnni: bool) -> None:
         many = linear_panels
     if int8_inputs and len(w) > 1 and x.shape[0] < TILE_MIN_ROWS:         # a few rows: integer dot products
         integer(w, x, out, vnni)
-    elif int8_inputs and len(w) == 2 and vnni and x.shape[0] > FEW_TOKENS and x.shape[1] % BLOCK == 0:
-        linear_int8_panels(w, x, out)                                    # int8 weights, many rows: integer tiles
+    elif int8_inputs and len(w) > 1 and vnni and x.shape[0] > FEW_TOKENS and x.shape[1] % BLOCK == 0:
+        linear_integer_panels(w, x, out)                                 # many rows: integer tiles
     else:                                                                # float kernels (on the rounded rows)
         (few if x.shape[0] < TILE_MIN_ROWS else many)(w, round_rows(x) if int8_inputs and len(w) > 1 else x, out)
 

@@ -1,28 +1,34 @@
-"""Integer register tiles: a prompt chunk's linears with int8 weights and int8-rounded inputs (AVX-512 VNNI).
+"""Integer register tiles: a prompt chunk's linears with int8 or 4-bit weights and int8-rounded inputs (VNNI).
 
-Why: with 8-bit weights a prompt chunk's linears are bound by arithmetic, not memory, and the float tiles convert
-every weight to float first (linear_kernels.linear_tiled on quant.round_activations' rows). vpdpbusd instead
+Why: with quantized weights a prompt chunk's linears are bound by arithmetic, not memory, and the float tiles
+convert every weight to float first (linear_kernels.linear_tiled and linear_panels on quant.round_activations'
+rows). vpdpbusd instead
 multiplies 64 byte pairs and adds them into 16 int32 sums in one instruction, four times the products of a float
 multiply-add. intdot.py uses it along one weight row (a dot product per output, its lanes added at the end); here
 the lanes are 16 different weight rows, as in a BLAS micro-kernel: each step broadcasts 4 bytes of one input row
 to every lane and multiplies them by the same 4 bytes of 16 weight rows, so a block's 32 products for 16 outputs
 are 8 instructions and nothing is ever added across lanes.
 
-That needs the 16 rows interleaved 4 bytes at a time, a "panel" (`pack_panel`, made once per chunk and weight-row
-task, then used by every input row):
+That needs the 16 rows interleaved 4 bytes at a time, a "panel" (`pack_panel`, `pack_q4_panel`: made once per chunk
+and weight-row task, then used by every input row):
 
-    panel [I/4, 64] int8      panel[k, 4r + j] = W[o0 + r, 4k + j]        (r < 16)
+    panel [I/4, 64] int8      panel[k, 4r + j] = Q[o0 + r, 4k + j]        (r < 16)
     scales [I/32, 16] f32     scales[b, r] = row r's scale for block b (int8 per row: the row's one scale)
+    minimums [I/32, 16] f32   minimums[b, r] = row r's minimum for block b (4-bit only)
+
+where Q is the stored integer (int8, or the 4-bit value 0..15: W = scale * Q + minimum)
 
 and the input rows rounded to int8 blocks (linear_kernels.tile_inputs): xq [C, I] int8, xs [C, I/32] their block
-scales, and xcorr [C, I/32] int32 = -128 times each block's sum of xq (what the weights' +128 adds, taken back).
+scales, xcorr [C, I/32] int32 = -128 times each block's sum of xq (what the weights' +128 adds, taken back) and
+xsum [C, I/32] = xs times each block's sum of xq (what a minimum multiplies).
 
-    int8_tile(panel, scales, xq, xcorr, xs, c0, out, m0, o0, cols)
-        out[m0 + c, o0 + r] = sum over blocks b of  scales[b, r] * xs[c0 + c, b] * isum(b, c, r)   for c < cols
+    int8_tile(panel, scales, minimums, xq, xcorr, xs, xsum, c0, out, m0, o0, cols, with_minimums)
+        out[m0 + c, o0 + r] = sum over blocks b of  scales[b, r] * xs[c0 + c, b] * isum(b, c, r)
+                                                  (+ minimums[b, r] * xsum[c0 + c, b] if with_minimums)  for c < cols
         isum(b, c, r) = xcorr[c0 + c, b] + sum over j < 32 of  (P[8b + j // 4, 4r + j % 4] + 128) * xq[c0 + c, 32b + j]
         with P the panel: the integer dot product of W[o0 + r] and input row c0 + c over block b (vpdpbusd takes
         one operand as unsigned bytes, so the tile adds 128 to each weight and xcorr takes back what that adds);
-        cols a compile-time constant.
+        cols and with_minimums compile-time constants.
 
 `int8_tile_reference` is that contract in plain loops (NUMBA_DISABLE_JIT=1, and what the tests hold the IR to).
 The IR needs VNNI: dispatch sends int8 prompt chunks here only where intdot.USE_VNNI holds. Measured: RESULTS.md,
@@ -78,7 +84,32 @@ def pack_panel(q, s, o0, panel, scales):
 
 
 @njit(**SERIAL)
-def int8_tile_reference(panel, scales, xq, xcorr, xs, c0, out, m0, o0, cols):
+def pack_q4_panel(packed, d, mins, o0, values, panel, scales, minimums):
+    """panel, scales, minimums <- weight rows o0 .. o0+15 of a 4-bit weight (packed [O, I/2] in Q4_1's nibble
+    order, d and mins [O, I/32]) in the layout above, through values [16, I] int8 (the rows' 4-bit values
+    unpacked in order); rows past O are zeros with zero scales and minimums."""
+    O, half = packed.shape
+    n = min(O, o0 + PANEL_ROWS) - o0
+    for r in range(n):
+        for b in range(half // 16):
+            for k in range(16):                 # byte k of block b: value k low, value k + 16 high
+                byte = packed[o0 + r, 16 * b + k]
+                values[r, BLOCK * b + k] = byte & 15
+                values[r, BLOCK * b + 16 + k] = byte >> 4
+            scales[b, r], minimums[b, r] = d[o0 + r, b], mins[o0 + r, b]
+    for r in range(n, PANEL_ROWS):
+        for i in range(2 * half):
+            values[r, i] = 0
+        for b in range(half // 16):
+            scales[b, r], minimums[b, r] = 0.0, 0.0
+    if 2 * half % 64 == 0:
+        pack_words(values, 0, panel)
+    else:
+        pack_words_reference(values, 0, panel)
+
+
+@njit(**SERIAL)
+def int8_tile_reference(panel, scales, minimums, xq, xcorr, xs, xsum, c0, out, m0, o0, cols, with_minimums):
     for c in range(c0, c0 + cols):
         for r in range(PANEL_ROWS):
             total = np.float32(0.0)
@@ -88,6 +119,8 @@ def int8_tile_reference(panel, scales, xq, xcorr, xs, c0, out, m0, o0, cols):
                     weight = np.int32(panel[8 * b + j // 4, 4 * r + j % 4]) + 128      # as vpdpbusd's unsigned
                     isum += weight * np.int32(xq[c, BLOCK * b + j])
                 total += np.float32(isum) * (scales[b, r] * xs[c, b])
+                if with_minimums:
+                    total += minimums[b, r] * xsum[c, b]
             out[m0 + c - c0, o0 + r] = total
 
 
@@ -102,12 +135,12 @@ if HAVE_VNNI:
     _i32, _i64, _f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
     _V16i32, _V16f32 = ir.VectorType(_i32, PANEL_ROWS), ir.VectorType(_f32, PANEL_ROWS)
 
-    def _tile_codegen(cols: int):
+    def _tile_codegen(cols: int, with_minimums: bool):
         def codegen(context, builder, signature, args):
-            panel, scales, xq, xcorr, xs, out = (cgutils.create_struct_proxy(t)(context, builder, value=v)
-                                                 for t, v in zip(signature.args[:5] + signature.args[6:7],
-                                                                 args[:5] + args[6:7]))
-            c0, m0, o0 = (context.cast(builder, args[i], signature.args[i], types.int64) for i in (5, 7, 8))
+            panel, scales, minimums, xq, xcorr, xs, xsum, out = (
+                cgutils.create_struct_proxy(signature.args[i])(context, builder, value=args[i])
+                for i in (0, 1, 2, 3, 4, 5, 6, 8))
+            c0, m0, o0 = (context.cast(builder, args[i], signature.args[i], types.int64) for i in (7, 9, 10))
             out_width = cgutils.unpack_tuple(builder, out.shape, 2)[1]
             width = cgutils.unpack_tuple(builder, xq.shape, 2)[1]                  # I
             n_blocks = cgutils.unpack_tuple(builder, xs.shape, 2)[1]              # I / 32
@@ -139,10 +172,16 @@ if HAVE_VNNI:
                         isums[i] = call(builder, "llvm.x86.avx512.vpdpbusd.512", _V16i32, isums[i], weights,
                                         inputs)
                 block_scales = load(scales.data, builder.mul(b, const(PANEL_ROWS)), _V16f32, 4)
+                if with_minimums:
+                    block_minimums = load(minimums.data, builder.mul(b, const(PANEL_ROWS)), _V16f32, 4)
                 for i, at in enumerate(at_b):
                     scale = builder.fmul(block_scales, splat(builder.load(builder.gep(xs.data, [at])), _V16f32))
                     term = builder.fmul(builder.sitofp(isums[i], _V16f32), scale)
-                    builder.store(builder.fadd(builder.load(sums[i]), term), sums[i])
+                    total = builder.fadd(builder.load(sums[i]), term)
+                    if with_minimums:
+                        total = builder.fadd(total, builder.fmul(block_minimums, splat(
+                            builder.load(builder.gep(xsum.data, [at])), _V16f32)))
+                    builder.store(total, sums[i])
             for i in range(cols):
                 address = builder.gep(out.data, [builder.add(builder.mul(builder.add(m0, const(i)), out_width), o0)])
                 builder.store(builder.load(sums[i]), builder.bitcast(address, _V16f32.as_pointer()), align=4)
@@ -188,15 +227,17 @@ if HAVE_VNNI:
         return types.none(q, o0, panel), _pack_codegen
 
     @intrinsic(prefer_literal=True)
-    def _int8_tile_ir(typingctx, panel, scales, xq, xcorr, xs, c0, out, m0, o0, cols):
-        if not isinstance(cols, types.IntegerLiteral):
-            return None                                                 # cols must be a compile-time constant
-        arrays = ((panel, types.int8), (scales, types.float32), (xq, types.int8), (xcorr, types.int32),
-                  (xs, types.float32), (out, types.float32))
+    def _int8_tile_ir(typingctx, panel, scales, minimums, xq, xcorr, xs, xsum, c0, out, m0, o0, cols,
+                      with_minimums):
+        if not (isinstance(cols, types.IntegerLiteral) and isinstance(with_minimums, types.BooleanLiteral)):
+            return None                                       # cols and with_minimums must be compile-time constants
+        arrays = ((panel, types.int8), (scales, types.float32), (minimums, types.float32), (xq, types.int8),
+                  (xcorr, types.int32), (xs, types.float32), (xsum, types.float32), (out, types.float32))
         if not all(isinstance(a, types.Array) and a.dtype == t and a.ndim == 2 and a.layout == "C"
                    for a, t in arrays):
             return None
-        return (types.none(panel, scales, xq, xcorr, xs, c0, out, m0, o0, cols), _tile_codegen(cols.literal_value))
+        return (types.none(panel, scales, minimums, xq, xcorr, xs, xsum, c0, out, m0, o0, cols, with_minimums),
+                _tile_codegen(cols.literal_value, with_minimums.literal_value))
 
     if not config.DISABLE_JIT:
         int8_tile, pack_words = _int8_tile_ir, _pack_words_ir

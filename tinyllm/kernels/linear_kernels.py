@@ -10,8 +10,8 @@ A weight comes in as the tuple of its arrays (`weight_arrays`): (w,) fp32, (q, s
     compile) and `linear_q4`; for a prompt chunk, `linear_panels` (any format: rows dequantized once, the
     products in register tiles);
   * inputs rounded to int8 blocks: `linear_int8_a8` and `linear_q4_a8`, whose per-row dot products are the
-    integer ones of intdot.py; for a prompt chunk with int8 weights, `linear_int8_panels` (int8_tiles.py's
-    integer register tiles).
+    integer ones of intdot.py; for a prompt chunk, `linear_integer_panels` (int8_tiles.py's integer register
+    tiles).
 Which kernel runs for how many rows is decided in dispatch.py.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from numba.extending import overload
 
 from ..quant import BLOCK
 from .int8_tiles import PANEL_ROWS as INT8_PANEL_ROWS
-from .int8_tiles import TILE_COLS, int8_tile, pack_panel
+from .int8_tiles import TILE_COLS, int8_tile, pack_panel, pack_q4_panel
 from .intdot import (dot_int8, dot_int8_block, dot_int8_block_reference, dot_int8_reference, dot_q4,
                      dot_q4_reference, q4_group)
 from .numerics import EXACT_PER_VALUE, PARALLEL, SERIAL
@@ -441,15 +441,16 @@ def linear_int8_a8(w, x, out, vnni):
 
 @njit(**PARALLEL)
 def tile_inputs(x, cols):
-    """linear_int8_panels' input preparation: x [M, I] rounded to int8 blocks as int8_tiles.py reads them, in
+    """linear_integer_panels' input preparation: x [M, I] rounded to int8 blocks as int8_tiles.py reads them, in
     whole tiles of `cols` rows (zero rows past M) -> xq [M', I] int8, xcorr [M', I/32] int32 (-128 times each
-    block's sum), xs [M', I/32] block scales."""
+    block's sum), xs [M', I/32] block scales, xsum [M', I/32] (each block's sum times its scale)."""
     M, I = x.shape
     n_blocks = I // BLOCK
     padded = (M + cols - 1) // cols * cols
     xq = np.zeros((padded, I), np.int8)                        # [M', I]
     xcorr = np.zeros((padded, n_blocks), np.int32)             # [M', I/32]
     xs = np.zeros((padded, n_blocks), np.float32)              # [M', I/32]
+    xsum = np.zeros((padded, n_blocks), np.float32)            # [M', I/32]
     for m in prange(M):
         q_m, _, s_m = quantize_rows(x[m:m + 1])
         for b in range(n_blocks):
@@ -459,38 +460,68 @@ def tile_inputs(x, cols):
                 total += np.int32(q_m[0, j])
             xcorr[m, b] = -128 * total
             xs[m, b] = s_m[0, b]
-    return xq, xcorr, xs
+            xsum[m, b] = np.float32(total) * s_m[0, b]
+    return xq, xcorr, xs, xsum
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def _tiles_of_panel(panel, scales, minimums, xq, xcorr, xs, xsum, out, o0, with_minimums):
+    """out[:, o0:o0+16] from one panel, TILE_COLS input rows at a time: straight into out where a tile lies
+    wholly inside it, else through a scratch tile."""
+    M, O = out.shape
+    n = min(O, o0 + INT8_PANEL_ROWS) - o0
+    edge = np.empty((TILE_COLS, INT8_PANEL_ROWS), np.float32)     # [cols, 16] a tile not wholly inside out
+    for c0 in range(0, xq.shape[0], TILE_COLS):
+        inside = n == INT8_PANEL_ROWS and c0 + TILE_COLS <= M
+        dest, m0, d0 = (out, c0, o0) if inside else (edge, 0, 0)
+        if with_minimums:                                          # (constants: one tile body each)
+            int8_tile(panel, scales, minimums, xq, xcorr, xs, xsum, c0, dest, m0, d0, TILE_COLS, True)
+        else:
+            int8_tile(panel, scales, minimums, xq, xcorr, xs, xsum, c0, dest, m0, d0, TILE_COLS, False)
+        if not inside:
+            for m in range(c0, min(M, c0 + TILE_COLS)):
+                for r in range(n):
+                    out[m, o0 + r] = edge[m - c0, r]
 
 
 @njit(**PARALLEL)
-def int8_panels_into(w, xq, xcorr, xs, out):
+def int8_panels_into(w, xq, xcorr, xs, xsum, out):
     """out [M, O] from tile_inputs' rounded rows (M <= their padded count) and an int8 weight w = (q [O, I],
     scale [O] or [O, I/32]): per task of 16 weight rows the rows are interleaved into a panel once, then every
     input row meets it TILE_COLS at a time."""
-    M, O = out.shape
-    padded, I = xq.shape
+    O = out.shape[1]
+    I = xq.shape[1]
     q, s = w[0], w[1].reshape(O, -1)                           # s [O, 1] or [O, I/32]
     for task in prange((O + INT8_PANEL_ROWS - 1) // INT8_PANEL_ROWS):
         o0 = task * INT8_PANEL_ROWS
         panel = np.empty((I // 4, 4 * INT8_PANEL_ROWS), np.int8)     # [I/4, 64] 16 rows, 4 bytes at a time
         scales = np.empty((I // BLOCK, INT8_PANEL_ROWS), np.float32)  # [I/32, 16]
         pack_panel(q, s, o0, panel, scales)
-        n = min(O, o0 + INT8_PANEL_ROWS) - o0
-        edge = np.empty((TILE_COLS, INT8_PANEL_ROWS), np.float32)     # [cols, 16] a tile not wholly inside out
-        for c0 in range(0, padded, TILE_COLS):
-            if n == INT8_PANEL_ROWS and c0 + TILE_COLS <= M:
-                int8_tile(panel, scales, xq, xcorr, xs, c0, out, c0, o0, TILE_COLS)
-            else:
-                int8_tile(panel, scales, xq, xcorr, xs, c0, edge, 0, 0, TILE_COLS)
-                for m in range(c0, min(M, c0 + TILE_COLS)):
-                    for r in range(n):
-                        out[m, o0 + r] = edge[m - c0, r]
+        _tiles_of_panel(panel, scales, scales, xq, xcorr, xs, xsum, out, o0, False)
 
 
-def linear_int8_panels(w, x, out):
-    """w = (q [O, I] int8, scale [O] or [O, I/32]), I a multiple of 32; x [M, I] -> out [M, O]: a prompt chunk
-    rounded to int8 blocks and multiplied in int8_tiles.py's integer register tiles (VNNI only)."""
-    int8_panels_into(w, *tile_inputs(x, TILE_COLS), out)
+@njit(**PARALLEL)
+def q4_panels_into(w, xq, xcorr, xs, xsum, out):
+    """The same for a 4-bit weight w = (packed [O, I/2], d, mins [O, I/32]): each panel holds the 4-bit values
+    (0..15) as int8, and the tile adds the blocks' minimums times the inputs' block sums."""
+    packed, d, mins = w
+    O = out.shape[1]
+    I = xq.shape[1]
+    for task in prange((O + INT8_PANEL_ROWS - 1) // INT8_PANEL_ROWS):
+        o0 = task * INT8_PANEL_ROWS
+        values = np.empty((INT8_PANEL_ROWS, I), np.int8)             # [16, I] the rows' 4-bit values
+        panel = np.empty((I // 4, 4 * INT8_PANEL_ROWS), np.int8)     # [I/4, 64]
+        scales = np.empty((I // BLOCK, INT8_PANEL_ROWS), np.float32)  # [I/32, 16]
+        minimums = np.empty((I // BLOCK, INT8_PANEL_ROWS), np.float32)
+        pack_q4_panel(packed, d, mins, o0, values, panel, scales, minimums)
+        _tiles_of_panel(panel, scales, minimums, xq, xcorr, xs, xsum, out, o0, True)
+
+
+def linear_integer_panels(w, x, out):
+    """w = an int8 (q [O, I], scale [O] or [O, I/32]) or 4-bit (packed, d, mins) weight's arrays, I a multiple of
+    32; x [M, I] -> out [M, O]: a prompt chunk rounded to int8 blocks and multiplied in int8_tiles.py's integer
+    register tiles (VNNI only)."""
+    (q4_panels_into if len(w) == 3 else int8_panels_into)(w, *tile_inputs(x, TILE_COLS), out)
 
 
 @njit(**SERIAL)
