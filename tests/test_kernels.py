@@ -111,6 +111,10 @@ def test_integer_panels_and_tiles_equal_their_reference_bodies(fmt, O, I):
     x[3, :5] *= 40                                                    # an outlier block
     xq, xcorr, xs, xsum = lin.tile_inputs(x, cols)                   # 11 rows padded to 2 tiles
     assert xq.shape[0] == 2 * cols and not xq[11:].any() and not xs[11:].any()
+    want_q, _, want_s = lin.quantize_rows(x)                          # rounded as everywhere else
+    np.testing.assert_array_equal(xq[:11], want_q)
+    np.testing.assert_array_equal(xs[:11], want_s)
+    np.testing.assert_array_equal(xcorr[:11], -128 * want_q.astype(np.int32).reshape(11, -1, 32).sum(-1))
     for o0 in range(0, O, int8_tiles.PANEL_ROWS):
         panel, want = np.empty((I // 4, 64), np.int8), np.full((I // 4, 64), 99, np.int8)
         scales, minimums = np.empty((I // 32, 16), np.float32), np.zeros((I // 32, 16), np.float32)
