@@ -2,21 +2,19 @@
 
 Why: with quantized weights a prompt chunk's linears are bound by arithmetic, not memory, and the float tiles
 convert every weight to float first (linear_kernels.linear_tiled and linear_panels on quant.round_activations'
-rows). vpdpbusd instead
-multiplies 64 byte pairs and adds them into 16 int32 sums in one instruction, four times the products of a float
-multiply-add. intdot.py uses it along one weight row (a dot product per output, its lanes added at the end); here
-the lanes are 16 different weight rows, as in a BLAS micro-kernel: each step broadcasts 4 bytes of one input row
-to every lane and multiplies them by the same 4 bytes of 16 weight rows, so a block's 32 products for 16 outputs
-are 8 instructions and nothing is ever added across lanes.
+rows). vpdpbusd instead multiplies 64 byte pairs and adds them into 16 int32 sums in one instruction, four times
+the products of a float multiply-add. intdot.py uses it along one weight row (a dot product per output, its lanes
+added at the end); here the lanes are 16 different weight rows, as in a BLAS micro-kernel: each step broadcasts 4
+bytes of one input row to every lane and multiplies them by the same 4 bytes of 16 weight rows, so a block's 32
+products for 16 outputs are 8 instructions and nothing is ever added across lanes.
 
-That needs the 16 rows interleaved 4 bytes at a time, a "panel" (`pack_panel`, `pack_q4_panel`: made once per chunk
-and weight-row task, then used by every input row):
+That needs the 16 rows interleaved 4 bytes at a time, a "panel" (`pack_panel`, `pack_q4_panel`: made once per
+chunk and weight-row task, then used by every input row). With Q the stored integers (int8, or the 4-bit values
+0..15 of W = scale * Q + minimum):
 
     panel [I/4, 64] int8      panel[k, 4r + j] = Q[o0 + r, 4k + j]        (r < 16)
     scales [I/32, 16] f32     scales[b, r] = row r's scale for block b (int8 per row: the row's one scale)
     minimums [I/32, 16] f32   minimums[b, r] = row r's minimum for block b (4-bit only)
-
-where Q is the stored integer (int8, or the 4-bit value 0..15: W = scale * Q + minimum)
 
 and the input rows rounded to int8 blocks (linear_kernels.tile_inputs): xq [C, I] int8, xs [C, I/32] their block
 scales, xcorr [C, I/32] int32 = -128 times each block's sum of xq (what the weights' +128 adds, taken back) and
@@ -26,12 +24,12 @@ xsum [C, I/32] = xs times each block's sum of xq (what a minimum multiplies).
         out[m0 + c, o0 + r] = sum over blocks b of  scales[b, r] * xs[c0 + c, b] * isum(b, c, r)
                                                   (+ minimums[b, r] * xsum[c0 + c, b] if with_minimums)  for c < cols
         isum(b, c, r) = xcorr[c0 + c, b] + sum over j < 32 of  (P[8b + j // 4, 4r + j % 4] + 128) * xq[c0 + c, 32b + j]
-        with P the panel: the integer dot product of W[o0 + r] and input row c0 + c over block b (vpdpbusd takes
+        with P the panel: the integer dot product of Q[o0 + r] and input row c0 + c over block b (vpdpbusd takes
         one operand as unsigned bytes, so the tile adds 128 to each weight and xcorr takes back what that adds);
         cols and with_minimums compile-time constants.
 
 `int8_tile_reference` is that contract in plain loops (NUMBA_DISABLE_JIT=1, and what the tests hold the IR to).
-The IR needs VNNI: dispatch sends int8 prompt chunks here only where intdot.USE_VNNI holds. Measured: RESULTS.md,
+The IR needs VNNI: dispatch sends prompt chunks here only where intdot.USE_VNNI holds. Measured: RESULTS.md,
 "Prompt chunks in integer tiles".
 """
 from __future__ import annotations
