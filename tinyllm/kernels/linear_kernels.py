@@ -470,10 +470,10 @@ def _tiles_of_panel(panel, scales, minimums, xq, xcorr, xs, xsum, out, o0, with_
     wholly inside it, else through a scratch tile."""
     M, O = out.shape
     n = min(O, o0 + INT8_PANEL_ROWS) - o0
-    edge = np.empty((TILE_COLS, INT8_PANEL_ROWS), np.float32)     # [cols, 16] a tile not wholly inside out
     for c0 in range(0, xq.shape[0], TILE_COLS):
         inside = n == INT8_PANEL_ROWS and c0 + TILE_COLS <= M
-        dest, m0, d0 = (out, c0, o0) if inside else (edge, 0, 0)
+        dest, m0, d0 = ((out, c0, o0) if inside                   # else a scratch [cols, 16] tile, copied after
+                        else (np.empty((TILE_COLS, INT8_PANEL_ROWS), np.float32), 0, 0))
         if with_minimums:                                          # (constants: one tile body each)
             int8_tile(panel, scales, minimums, xq, xcorr, xs, xsum, c0, dest, m0, d0, TILE_COLS, True)
         else:
@@ -481,7 +481,7 @@ def _tiles_of_panel(panel, scales, minimums, xq, xcorr, xs, xsum, out, o0, with_
         if not inside:
             for m in range(c0, min(M, c0 + TILE_COLS)):
                 for r in range(n):
-                    out[m, o0 + r] = edge[m - c0, r]
+                    out[m, o0 + r] = dest[m - c0, r]
 
 
 @njit(**PARALLEL)
