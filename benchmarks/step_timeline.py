@@ -58,22 +58,22 @@ def _sequence_loop(int8_inputs: bool):
     """A compiled loop: a step's kernels in its order, those whose bit is set in `which`, `repeats` times
     (int8_inputs a constant of the code, as in block.py)."""
     @njit
-    def run(layers, attention_layers, head, x, q, att, qkv, o, gate_up, act, logits, start, shape, vnni, which,
+    def run(layers, attention_layers, head, x, q, att, qkv, o, gate_up, act, logits, start, shape, int_dots, which,
             repeats):
         for _ in range(repeats):
             for (wqkv, wo, w_in, w_out), (k, ks, v, vs) in zip(layers, attention_layers):
                 if which & 1:
-                    linear_into(wqkv, x, qkv, int8_inputs, vnni)
+                    linear_into(wqkv, x, qkv, int8_inputs, int_dots)
                 if which & 2:
                     decode_attention(q, k, ks, v, vs, start, att, shape)
                 if which & 4:
-                    linear_into(wo, x, o, int8_inputs, vnni)
+                    linear_into(wo, x, o, int8_inputs, int_dots)
                 if which & 8:
-                    linear_into(w_in, x, gate_up, int8_inputs, vnni)
+                    linear_into(w_in, x, gate_up, int8_inputs, int_dots)
                 if which & 16:
-                    linear_into(w_out, act, o, int8_inputs, vnni)
+                    linear_into(w_out, act, o, int8_inputs, int_dots)
             if which & 32:
-                linear_into(head, x, logits, int8_inputs, vnni)
+                linear_into(head, x, logits, int8_inputs, int_dots)
     return run
 
 
@@ -116,7 +116,7 @@ class Timeline:
             np.empty((1, c.n_heads, c.head_dim), np.float32),                         # att [1, H, Dh]
             np.empty((1, w0.wqkv.shape[0]), np.float32), np.empty((1, c.dim), np.float32),
             np.empty((1, w0.w_in.shape[0]), np.float32), act, np.empty((1, m.lm_head.shape[0]), np.float32),
-            context, self.shape, intdot.USE_VNNI)
+            context, self.shape, intdot.USE_INT_DOTS)
         kv_bytes = sum(a.nbytes for layer in attention_layers for a in layer if a is not None)
         self.bytes = {"attention": kv_bytes, "head": m.lm_head.nbytes,
                       **{n: sum(getattr(layer, n).nbytes for layer in m.layers) for n in MATRICES}}

@@ -1,4 +1,6 @@
 """Every Numba kernel against its numpy twin, on odd shapes; and the two backends give the same tokens."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -66,21 +68,22 @@ def test_quantize_rows_rounds_exactly_as_numpy(I):
     np.testing.assert_array_equal(lin.round_rows(x), quant.round_activations(x))
 
 
-@pytest.mark.parametrize("vnni", [pytest.param(True, marks=pytest.mark.skipif(
-    not kernels.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI")), False])
+@pytest.mark.parametrize("int_dots", [pytest.param(True, marks=pytest.mark.skipif(
+    not intdot.INT_DOTS, reason="this CPU has neither AVX-512 VNNI nor AVX2")), False])
 @pytest.mark.parametrize("fmt", list(quant.FORMATS))
 # blocks: 3 (a pair, an odd one), 8 (fours), 9 (fours, an odd one), 10 (fours, a pair), 11 (all three): dot_q4's groups
 @pytest.mark.parametrize("I", [96, 256, 288, 320, 352])
-def test_integer_kernels_match_the_float_kernels_on_rounded_inputs(fmt, I, vnni):
-    """The two implementations of int8 inputs agree: integer dot products (VNNI, or their plain reference bodies:
-    vnni=False, what a CPU without VNNI runs) and the float kernels given the rounded rows (the tiled path)."""
+def test_integer_kernels_match_the_float_kernels_on_rounded_inputs(fmt, I, int_dots):
+    """The two implementations of int8 inputs agree: integer dot products (the host's VNNI or AVX2 versions, or
+    their plain reference bodies: int_dots=False, what a CPU with neither runs) and the float kernels given the
+    rounded rows (the tiled path)."""
     w = RNG.normal(0, 0.1, (67, I)).astype(np.float32)
     x = RNG.normal(0, 1, (5, I)).astype(np.float32)
     qw = quant.quantize(w, fmt)
     got, want = np.empty((5, 67), np.float32), np.empty((5, 67), np.float32)
     xr = lin.round_rows(x)
     integer, floats = (lin.linear_q4_a8, lin.linear_q4) if fmt == "q4_1" else (lin.linear_int8_a8, lin.linear_tiled)
-    integer(qw.arrays, x, got, vnni)
+    integer(qw.arrays, x, got, int_dots)
     floats(qw.arrays, xr, want)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)
 
@@ -159,27 +162,35 @@ def _dot_contract_inputs(fmt, rng, I=256):
     return w, xq, xstart, xs
 
 
-@pytest.mark.skipif(not kernels.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI")
+@pytest.mark.parametrize("isa", [pytest.param(isa, marks=pytest.mark.skipif(
+    isa not in getattr(intdot, "DOTS", {}), reason=f"this CPU has no {isa}")) for isa in ("vnni", "avx2")])
 @pytest.mark.parametrize("fmt, I", [(f, 256) for f in quant.FORMATS] + [("q4_1", 64), ("q4_1", 192), ("q4_1", 576),
                                                                          ("int8", 288), ("int8-block", 96)])
-def test_each_vnni_dot_equals_its_reference_body(fmt, I):
-    """intdot.py's contract, row by row: the LLVM-IR dot product and its plain-Numba reference body agree (they
-    add the same integer products; only the order of the float sums differs). q4_1 also with a pair of blocks
-    alone (64 inputs), fours and a pair (192), and SmolLM2's width (576: four fours and a pair); the int8 formats
-    with an odd block after their pairs (288, 96)."""
+def test_each_vector_dot_equals_its_reference_body(fmt, I, isa):
+    """intdot.py's contract, row by row: the LLVM-IR dot product in each instruction set the host has (AVX-512
+    VNNI, AVX2) and its plain-Numba reference body agree (they add the same integer products; only the order of
+    the float sums differs). q4_1 also with a pair of blocks alone (64 inputs), fours and a pair (192), and
+    SmolLM2's width (576: four fours and a pair); the int8 formats with an odd block after their pairs (288, 96).
+    The weights include -128 and the inputs +-127, the ends of AVX2's 16-bit pair sums (2 x 128 x 127)."""
     from numba import njit
     w, xq, xstart, xs = _dot_contract_inputs(fmt, np.random.default_rng(5), I)
+    if fmt != "q4_1":                                                 # the extremes, in whole pairs of values
+        w.arrays[0][0, :64], xq[0, :64] = -128, 127
+        w.arrays[0][1, :64], xq[0, 64:128] = 127, -127
+        w.arrays[0][2, 64:128] = -128
+        xstart[0] = -128 * xq[0, :I // 32 * 32].astype(np.int32).reshape(-1, 4).sum(-1)
 
+    int8, int8_block, q4 = intdot.DOTS[isa]
     if fmt == "q4_1":
         xg, xs4, xsum4 = lin._group_layout(xq, xs)
         args = (w.d, w.m, xg[0], xs4[0], xsum4[0])
-        fast, ref = intdot.dot_q4, intdot.dot_q4_reference
+        fast, ref = q4, intdot.dot_q4_reference
     elif fmt == "int8":
         args = (xq[0], xstart[0], xs[0])
-        fast, ref = intdot.dot_int8, intdot.dot_int8_reference
+        fast, ref = int8, intdot.dot_int8_reference
     else:
         args = (w.scale, xq[0], xstart[0], xs[0])
-        fast, ref = intdot.dot_int8_block, intdot.dot_int8_block_reference
+        fast, ref = int8_block, intdot.dot_int8_block_reference
 
     def rows(f):                                                      # f on every row of the weight
         @njit
@@ -192,6 +203,11 @@ def test_each_vnni_dot_equals_its_reference_body(fmt, I):
     got, want = rows(fast), rows(ref)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert fast is not ref
+    if fmt != "q4_1":                                                 # the extreme rows, in exact integers
+        q64, x64 = w.arrays[0].astype(np.int64), xq[0].astype(np.int64)
+        scale = (w.scale if fmt == "int8-block" else np.ones((9, I // 32)))[:3]
+        exact = ((q64[:3].reshape(3, -1, 32) * x64.reshape(-1, 32)).sum(-1) * xs[0] * scale).sum(-1)
+        np.testing.assert_allclose(got[:3], exact, rtol=1e-5)
 
 
 def test_the_reference_dots_compute_what_the_contract_says():
@@ -228,6 +244,32 @@ def test_the_q4_reference_dot_on_the_grouped_layout_is_the_plain_block_sum(I):
     def rows(p, d, m, xg, xs4, xsum4):
         return np.array([intdot.dot_q4_reference(p, o, d, m, xg, xs4, xsum4) for o in range(p.shape[0])])
     np.testing.assert_allclose(rows(w.arrays[0], w.d, w.m, xg[0], xs4[0], xsum4[0]), want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_disk_cache_is_checked_against_every_kernel_source(tmp_path, monkeypatch):
+    """kernels/disk_cache.py: each kernel's cached code is stamped with a hash of all the kernels' sources, so an
+    edit to a file it compiles in from (numerics.py's sum inlined into block.py's blocks) invalidates it too, not
+    only an edit to its own file; functions outside the package keep Numba's own rule."""
+    from numba import njit
+
+    from tinyllm.kernels import block, disk_cache, numerics
+    for kernel in (lin.linear_rows, block.BLOCKS[False], numerics.ordered_sum):
+        assert kernel._cache._impl._locator.get_source_stamp() == disk_cache.STAMP
+    assert numerics.__file__ in map(str, disk_cache.SOURCES) and str(Path(block.__file__)) in map(str,
+                                                                                                  disk_cache.SOURCES)
+    copies = []
+    for path in disk_cache.SOURCES:
+        copies.append(tmp_path / path.name)
+        copies[-1].write_bytes(path.read_bytes())
+    monkeypatch.setattr(disk_cache, "SOURCES", tuple(copies))
+    assert disk_cache.sources_stamp() == disk_cache.STAMP
+    (tmp_path / "numerics.py").write_bytes((tmp_path / "numerics.py").read_bytes() + b"# an edit")
+    assert disk_cache.sources_stamp() != disk_cache.STAMP
+
+    @njit(cache=True)
+    def elsewhere(x):
+        return x + 1
+    assert not type(elsewhere._cache._impl._locator).__name__.startswith("TinyllmKernels")
 
 
 def test_no_vnni_switch_forces_the_reference_bodies_in_a_whole_model():
@@ -344,6 +386,31 @@ def test_exp32_matches_the_library_exponential():
     edges = np.array([-1000.0, 1000.0], dtype=np.float32)
     apply(edges, got[:2])
     assert 0 < got[0] < 1e-37 and np.isfinite(got[1]) and got[1] > 1e38   # clamped to exp(-87), exp(88)
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 36, 100, 1000])
+def test_ordered_sum_adds_in_its_written_order(n):
+    """numerics.ordered_sum, the sum that attention's softmax shares between block.py's threaded block and the
+    kernels: exactly the 16 lanes and the halving it says (emulated in float32 numpy), whether it is called from a
+    compiled caller or on its own."""
+    from numba import njit
+
+    from tinyllm.kernels.numerics import ordered_sum
+
+    @njit
+    def inside(row, n):                                               # a compiled caller
+        return ordered_sum(row, n) * np.float32(1.0)
+
+    row = RNG.normal(0, 1, n + 3).astype(np.float32)                 # (values past n are not read)
+    lanes = np.zeros(16, np.float32)
+    for i in range(n):
+        lanes[i % 16 if i < n - n % 16 else i - (n - n % 16)] += row[i]
+    width = 16
+    while width > 1:
+        width //= 2
+        lanes[:width] = lanes[:width] + lanes[width:2 * width]
+    assert ordered_sum(row, n) == lanes[0] == inside(row, n)
+    assert abs(float(lanes[0]) - float(row[:n].astype(np.float64).sum())) < 1e-5 * max(1, n)
 
 
 @pytest.mark.parametrize("T", [1, 5])

@@ -16,8 +16,8 @@ bytes without loss, so tinyllm can run on the file's own 4-bit weights.
 Optionally the input of a quantized linear is rounded too, as llama.cpp always does: each row of activations to
 int8 with one scale per block of 32 values (Q8_0's scheme, `quantize_activations`; a setting of the model's
 forward pass, `tinyllm.load(..., activations="int8")`, passed to every linear as `int8_inputs`). Then every
-product of the dot product is an integer product, and on a CPU with AVX-512 VNNI one instruction does 32 of them
-(kernels/intdot.py): converting each int8 weight to float32 costs more than reading it from memory, so without
+product of the dot product is an integer product, and on a CPU with AVX-512 VNNI one instruction does 64 of them
+(two with AVX2: kernels/intdot.py): converting each int8 weight to float32 costs more than reading it from memory, so without
 this a quantized decode step is bound by arithmetic, not by the bytes it reads. The rounding is part of the
 arithmetic on every path (numpy, Numba, BLAS), but it turns differences of 1e-7 between paths into whole
 rounding steps now and then, so the numpy and Numba backends no longer give bit-for-bit the same tokens. benchmarks/quality.py measures what it costs.

@@ -5,7 +5,7 @@ ops.py and a parity test (tests/test_kernels.py). The files, in the order a deco
 
     dispatch.py           which kernel runs for how many rows, which format, which activations (the one policy)
     linear_kernels.py     matrix-vector and small matrix-matrix products for every weight format
-    intdot.py             integer dot products (AVX-512 VNNI, in LLVM IR) with their written contract and plain twins
+    intdot.py             integer dot products (AVX-512 VNNI or AVX2, LLVM IR), their written contract, plain twins
     pointwise.py          RMSNorm, RoPE, SwiGLU
     attention_kernels.py  decode (flash-decoding) and paged (PagedAttention) attention
     prefill_attention.py  prompt chunks against a long cache: query blocks x key blocks, online softmax
@@ -17,7 +17,8 @@ ops.py and a parity test (tests/test_kernels.py). The files, in the order a deco
     block.py              a whole Llama block of a decode step as one compiled call (one parallel region)
     spin_barrier.py       where block.py's threads wait for each other inside that region
     blas.py               the ops of a pass too long for these kernels: BLAS sgemm and numpy attention
-    numerics.py           compile options, a vectorisable exp, softmax
+    numerics.py           compile options, a vectorisable exp, softmax, a sum in a fixed order
+    disk_cache.py         Numba's disk cache checked against all the kernels' sources, not each one's file
     warmup.py             compiling all of the above before the first request
 
 NUMBA_DISABLE_JIT=1 runs every kernel as plain Python, to step through (slowly); the fused block is then off.
@@ -27,12 +28,15 @@ from __future__ import annotations
 import sys
 
 from .. import ops
-from . import blas
-from .block import block_weights, cache_operands, decode_block, decode_blocks
-from .dispatch import FUSED_ROWS, PREFILL_CHUNK, SMALL_M, attention, linear, paged_attention, swiglu
-from .intdot import HAVE_VNNI
-from .pointwise import apply_rope, rmsnorm
-from .warmup import warmup, warmup_paged
+from . import disk_cache
+
+disk_cache.install()    # before any kernel is defined: cached kernels are checked against all of their sources
+from . import blas  # noqa: E402
+from .block import block_weights, cache_operands, decode_block, decode_blocks  # noqa: E402
+from .dispatch import FUSED_ROWS, PREFILL_CHUNK, SMALL_M, attention, linear, paged_attention, swiglu  # noqa: E402
+from .intdot import HAVE_VNNI  # noqa: E402
+from .pointwise import apply_rope, rmsnorm  # noqa: E402
+from .warmup import warmup, warmup_paged  # noqa: E402
 
 layernorm, gelu_tanh, softmax, silu, rope_tables = ops.layernorm, ops.gelu_tanh, ops.softmax, ops.silu, ops.rope_tables
 

@@ -15,7 +15,7 @@ import numpy as np
 from numba import njit, prange
 
 from .kv_rows import add_rows, score_rows
-from .numerics import PARALLEL, SERIAL, exp32, softmax_in_place
+from .numerics import PARALLEL, SERIAL, exp32, ordered_sum, softmax_in_place
 
 ATTN_CHUNK = 64   # fewest cache positions per task in decode attention
 ATTN_TASKS = 16   # most tasks: past 1,024 positions the chunks grow, so the serial merge stays small
@@ -104,12 +104,9 @@ def attend_chunk(q, k, ks, v, vs, start, s0, s1, m_out, l_out, acc, shape):
             m = scores[t, h, 0]
             for i in range(1, n):
                 m = max(m, scores[t, h, i])
-            total = np.float32(0.0)
             for i in range(n):
-                e = exp32(scores[t, h, i] - m)
-                scores[t, h, i] = e
-                total += e
-            m_out[t, h], l_out[t, h] = m, total
+                scores[t, h, i] = exp32(scores[t, h, i] - m)
+            m_out[t, h], l_out[t, h] = m, ordered_sum(scores[t, h], n)
     for t in range(T):                                           # weighted sum of v
         n = min(s1, start + t + 1) - s0
         for first in range(0, n, ROWS_AT_ONCE):

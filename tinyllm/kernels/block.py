@@ -53,18 +53,18 @@ def decode_blocks(x, weights, caches, start: int, cos, sin, n_heads: int, eps: f
     call per layer, updating x in place and writing their K and V into each layer's cache. weights[i]:
     block_weights(layer i); caches[i]: cache_operands of layer i's K and V; cos, sin [T, Dh/2]: the rotations of
     the tokens' positions; int8_inputs: the activations setting."""
-    vnni = intdot.USE_VNNI
+    int_dots = intdot.USE_INT_DOTS
     quantized = len(weights[0][2]) > 1      # (fp32 gained nothing from the threaded block: RESULTS.md, "One
     if x.shape[0] < TILE_MIN_ROWS and quantized and not _plain_only and threads_can_wait():  # parallel region")
         block, n = THREADED_BLOCKS[int8_inputs], numba.get_num_threads()
         state = new_state()                                        # a barrier per call: two callers never share one
         for (attn_norm, ffn_norm, wqkv, wo, w_in, w_out), (k, k_scales, v, v_scales, shape) in zip(weights, caches):
-            block(x, attn_norm, ffn_norm, wqkv, wo, w_in, w_out, vnni, k, k_scales, v, v_scales, start, cos, sin,
+            block(x, attn_norm, ffn_norm, wqkv, wo, w_in, w_out, int_dots, k, k_scales, v, v_scales, start, cos, sin,
                   n_heads, eps, shape, state, n)
         return
     block = BLOCKS[int8_inputs]
     for (attn_norm, ffn_norm, wqkv, wo, w_in, w_out), (k, k_scales, v, v_scales, shape) in zip(weights, caches):
-        block(x, attn_norm, ffn_norm, wqkv, wo, w_in, w_out, vnni, k, k_scales, v, v_scales, start, cos, sin,
+        block(x, attn_norm, ffn_norm, wqkv, wo, w_in, w_out, int_dots, k, k_scales, v, v_scales, start, cos, sin,
               n_heads, eps, shape)
 
 
@@ -132,7 +132,7 @@ def _compile_block(int8_inputs: bool):
     """The block for one activations setting. int8_inputs is a constant of the compiled code, so that the linears
     compile only that setting's kernels (a first run then compiles only what it uses)."""
     @njit(**SERIAL)
-    def block(x, attn_norm, ffn_norm, wqkv, wo, w_in, w_out, vnni, k_cache, k_scales, v_cache, v_scales, pos, cos,
+    def block(x, attn_norm, ffn_norm, wqkv, wo, w_in, w_out, int_dots, k_cache, k_scales, v_cache, v_scales, pos, cos,
                   sin, n_heads, eps, kv_shape):
         T, D = x.shape
         KVH, Dh = k_cache.shape[1], k_cache.shape[2]
@@ -143,14 +143,14 @@ def _compile_block(int8_inputs: bool):
         # attention
         rmsnorm_into(x, attn_norm, eps, h)
         qkv = np.empty((T, (H + 2 * KVH) * Dh), np.float32)         # [T, (H + 2*KVH) * Dh]
-        linear_into(wqkv, h, qkv, int8_inputs, vnni)
+        linear_into(wqkv, h, qkv, int8_inputs, int_dots)
         q = np.empty((T, H, Dh), np.float32)                        # [T, H, Dh]
         rotate_and_store(qkv, cos, sin, q, k_cache, k_scales, v_cache, v_scales, pos)
         att = np.empty((T, H, Dh), np.float32)                      # [T, H, Dh]
         S = pos + T
         decode_attention(q, k_cache[:S], first_rows(k_scales, S), v_cache[:S], first_rows(v_scales, S), pos, att,
                          kv_shape)
-        linear_into(wo, att.reshape(T, H * Dh), delta, int8_inputs, vnni)
+        linear_into(wo, att.reshape(T, H * Dh), delta, int8_inputs, int_dots)
         for t in range(T):
             for i in range(D):
                 x[t, i] += delta[t, i]
@@ -158,13 +158,13 @@ def _compile_block(int8_inputs: bool):
         # feed-forward
         rmsnorm_into(x, ffn_norm, eps, h)
         gate_up = np.empty((T, w_in[0].shape[0]), np.float32)       # [T, 2F]
-        linear_into(w_in, h, gate_up, int8_inputs, vnni)
+        linear_into(w_in, h, gate_up, int8_inputs, int_dots)
         act = np.empty((T, gate_up.shape[1] // 2), np.float32)     # [T, F]
         if T >= 4:                                                  # as dispatch.swiglu chooses
             swiglu_rows_into(gate_up, act)
         else:
             swiglu_into(gate_up, act)
-        linear_into(w_out, act, delta, int8_inputs, vnni)
+        linear_into(w_out, act, delta, int8_inputs, int_dots)
         for t in range(T):
             for i in range(D):
                 x[t, i] += delta[t, i]
@@ -194,7 +194,7 @@ def _block_arrays(x, w_in, k_cache, pos, n_heads, n):
 def _compile_threaded_block(int8_inputs: bool):
     """The threaded block (see the module's docstring) for one activations setting, T < TILE_MIN_ROWS tokens."""
     @njit(**PARALLEL)
-    def threaded_block(x, attn_norm, ffn_norm, wqkv, wo, w_in, w_out, vnni, k_cache, k_scales, v_cache, v_scales,
+    def threaded_block(x, attn_norm, ffn_norm, wqkv, wo, w_in, w_out, int_dots, k_cache, k_scales, v_cache, v_scales,
                        pos, cos, sin, n_heads, eps, kv_shape, state, n):
         """block's arguments, and: state, the barrier's (spin_barrier.new_state()); n, the region's threads."""
         T, D = x.shape
@@ -208,7 +208,7 @@ def _compile_threaded_block(int8_inputs: bool):
             h, xm, a = normed[tid], x_mid[tid], act[tid]
             # attention
             rmsnorm_into(x, attn_norm, eps, h)
-            linear_share(wqkv, h, qkv, int8_inputs, vnni, tid, n)
+            linear_share(wqkv, h, qkv, int8_inputs, int_dots, tid, n)
             barrier(state, n)
             if tid == 0:                                            # microseconds: not worth splitting
                 rotate_and_store(qkv, cos, sin, q, k_cache, k_scales, v_cache, v_scales, pos)
@@ -221,17 +221,17 @@ def _compile_threaded_block(int8_inputs: bool):
             h0, h1 = thread_share(H, tid, n)
             merge_chunks(chunk_max, chunk_sum, chunk_out, att, h0, h1)
             barrier(state, n)
-            linear_share(wo, att.reshape(T, H * Dh), delta, int8_inputs, vnni, tid, n)
+            linear_share(wo, att.reshape(T, H * Dh), delta, int8_inputs, int_dots, tid, n)
             barrier(state, n)
             for t in range(T):
                 for i in range(D):
                     xm[t, i] = x[t, i] + delta[t, i]
             # feed-forward
             rmsnorm_into(xm, ffn_norm, eps, h)
-            linear_share(w_in, h, gate_up, int8_inputs, vnni, tid, n)
+            linear_share(w_in, h, gate_up, int8_inputs, int_dots, tid, n)
             barrier(state, n)
             swiglu_into(gate_up, a)
-            linear_share(w_out, a, delta, int8_inputs, vnni, tid, n)
+            linear_share(w_out, a, delta, int8_inputs, int_dots, tid, n)
             barrier(state, n)
             if tid == 0:
                 for t in range(T):

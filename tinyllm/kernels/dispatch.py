@@ -42,9 +42,10 @@ PREFILL_CHUNK = SMALL_M   # a longer prompt is prefilled in chunks this long: ev
 
 
 # --- linear -----------------------------------------------------------------------------------------------------
-def linear_into(w, x, out, int8_inputs: bool, vnni: bool) -> None:
+def linear_into(w, x, out, int8_inputs: bool, int_dots: bool) -> None:
     """out [M, O] = x [M, I] times the weight w, given as its `weight_arrays`, M <= SMALL_M. int8_inputs: round x to
-    int8 blocks first (quantized weights only); vnni: whether the integer dot products may use VNNI (intdot.py).
+    int8 blocks first (quantized weights only); int_dots: whether the integer dot products may use their vector
+    versions (intdot.USE_INT_DOTS); the integer tiles of a prompt chunk need VNNI (intdot.USE_VNNI).
     This Python body is what `linear` runs (so a first run compiles only the kernels it meets); compiled callers
     (the fused block) get the overload below: the same rule, specialised to the format when they compile, for
     their at most FEW_TOKENS rows (fewer than the integer tiles start at: a block compiles no tile kernel)."""
@@ -53,29 +54,29 @@ def linear_into(w, x, out, int8_inputs: bool, vnni: bool) -> None:
     if x.shape[0] >= PANEL_MIN_ROWS and len(w) != 2:                     # a prompt chunk, fp32 or 4-bit weights
         many = linear_panels
     if int8_inputs and len(w) > 1 and x.shape[0] < TILE_MIN_ROWS:         # a few rows: integer dot products
-        integer(w, x, out, vnni)
-    elif int8_inputs and len(w) > 1 and vnni and x.shape[0] > FEW_TOKENS and x.shape[1] % BLOCK == 0:
+        integer(w, x, out, int_dots)
+    elif int8_inputs and len(w) > 1 and intdot.USE_VNNI and x.shape[0] > FEW_TOKENS and x.shape[1] % BLOCK == 0:
         linear_integer_panels(w, x, out)                                 # many rows: integer tiles
     else:                                                                # float kernels (on the rounded rows)
         (few if x.shape[0] < TILE_MIN_ROWS else many)(w, round_rows(x) if int8_inputs and len(w) > 1 else x, out)
 
 
 @overload(linear_into, jit_options=dict(fastmath=True, nogil=True, error_model="numpy"), prefer_literal=True)
-def _linear_into_typed(w, x, out, int8_inputs, vnni):
+def _linear_into_typed(w, x, out, int8_inputs, int_dots):
     if len(w.types) == 3:                                                # 4-bit: one kernel for any M
         few, many, integer = linear_q4, linear_q4, linear_q4_a8
     else:                                                                # fp32, int8, int8-block
         few, many, integer = linear_rows, linear_tiled, linear_int8_a8
 
-    def floats(w, x, out, int8_inputs, vnni):                            # fp32 weights: the inputs as they are
+    def floats(w, x, out, int8_inputs, int_dots):                        # fp32 weights: the inputs as they are
         if x.shape[0] < TILE_MIN_ROWS:
             few(w, x, out)
         else:
             many(w, x, out)
 
-    def rounded(w, x, out, int8_inputs, vnni):                           # quantized weights, int8 activations
+    def rounded(w, x, out, int8_inputs, int_dots):                       # quantized weights, int8 activations
         if x.shape[0] < TILE_MIN_ROWS:
-            integer(w, x, out, vnni)
+            integer(w, x, out, int_dots)
         else:
             many(w, round_rows(x), out)
 
@@ -94,7 +95,7 @@ def thread_share(n_items, tid, n):
     return n_items * tid // n, n_items * (tid + 1) // n
 
 
-def linear_share(w, x, out, int8_inputs: bool, vnni: bool, tid: int, n: int) -> None:
+def linear_share(w, x, out, int8_inputs: bool, int_dots: bool, tid: int, n: int) -> None:
     """Thread tid of n's share of linear_into(w, x, out) for M < TILE_MIN_ROWS rows: its contiguous run of the
     kernel's tasks (OUT_BLOCK weight rows each), after preparing the input as the kernel does (every thread
     prepares its own copy: microseconds, no waiting). Each task is computed by the very function the kernel's
@@ -111,9 +112,9 @@ def linear_share(w, x, out, int8_inputs: bool, vnni: bool, tid: int, n: int) -> 
     for task in range(first, end):
         o0, o1 = task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK)
         if int8_inputs and len(w) == 3:
-            q4_a8_task(w, xq, xs, xg, xs4, xsum4, out, o0, o1, vnni)
+            q4_a8_task(w, xq, xs, xg, xs4, xsum4, out, o0, o1, int_dots)
         elif int8_inputs and len(w) == 2:
-            int8_a8_task(w, xq, xstart, xs, out, o0, o1, vnni)
+            int8_a8_task(w, xq, xstart, xs, out, o0, o1, int_dots)
         elif len(w) == 3:
             q4_rows_task(w, xlo, xhi, xsum, out, o0, o1, 0)
         else:
@@ -129,37 +130,37 @@ def _tasks_of_thread(w, tid, n):
 
 
 @overload(linear_share, jit_options=dict(fastmath=True, nogil=True, error_model="numpy"), prefer_literal=True)
-def _linear_share_typed(w, x, out, int8_inputs, vnni, tid, n):
+def _linear_share_typed(w, x, out, int8_inputs, int_dots, tid, n):
     setting = getattr(int8_inputs, "literal_value", None)
     if setting is None:
         raise TypingError("linear_share: int8_inputs must be a compile-time constant in compiled code")
     four_bit, rounded = len(w.types) == 3, setting and len(w.types) > 1
     tasks = _tasks_of_thread
     if rounded and four_bit:
-        def q4_a8(w, x, out, int8_inputs, vnni, tid, n):
+        def q4_a8(w, x, out, int8_inputs, int_dots, tid, n):
             O, first, end = tasks(w, tid, n)
             xq, _, xs = quantize_rows(x)
             xg, xs4, xsum4 = _group_layout(xq, xs)
             for task in range(first, end):
                 q4_a8_task(w, xq, xs, xg, xs4, xsum4, out, task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK),
-                           vnni)
+                           int_dots)
         return q4_a8
     if rounded:
-        def int8_a8(w, x, out, int8_inputs, vnni, tid, n):
+        def int8_a8(w, x, out, int8_inputs, int_dots, tid, n):
             O, first, end = tasks(w, tid, n)
             xq, xstart, xs = quantize_rows(x)
             for task in range(first, end):
-                int8_a8_task(w, xq, xstart, xs, out, task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK), vnni)
+                int8_a8_task(w, xq, xstart, xs, out, task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK), int_dots)
         return int8_a8
     if four_bit:
-        def q4(w, x, out, int8_inputs, vnni, tid, n):
+        def q4(w, x, out, int8_inputs, int_dots, tid, n):
             O, first, end = tasks(w, tid, n)
             xlo, xhi, xsum = split_halves(x, w[1].shape[1])
             for task in range(first, end):
                 q4_rows_task(w, xlo, xhi, xsum, out, task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK), 0)
         return q4
 
-    def rows(w, x, out, int8_inputs, vnni, tid, n):                      # fp32, int8, int8-block: float inputs
+    def rows(w, x, out, int8_inputs, int_dots, tid, n):                  # fp32, int8, int8-block: float inputs
         O, first, end = tasks(w, tid, n)
         for task in range(first, end):
             rows_task(w, x, out, task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK))
@@ -172,7 +173,7 @@ def linear(x: np.ndarray, w, b: np.ndarray | None = None, int8_inputs: bool = Fa
     if x.shape[0] > SMALL_M:
         return blas.linear(x, w, b, int8_inputs)
     out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)        # [M, O]
-    linear_into(weight_arrays(w), x, out, int8_inputs and not isinstance(w, np.ndarray), intdot.USE_VNNI)
+    linear_into(weight_arrays(w), x, out, int8_inputs and not isinstance(w, np.ndarray), intdot.USE_INT_DOTS)
     return out if b is None else out + b
 
 

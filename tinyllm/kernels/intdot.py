@@ -27,10 +27,16 @@ The contract (what every function here returns, as float32; the callers in linea
         -> sum over blocks b and lanes l of  isum[b, l] * d[o, b] * xs4[4b+l] + mins[o, b] * xsum4[4b+l],
            isum[b, l] = the integer dot of the lane's 4 bytes (both nibbles) with their 8 input values.
 
-Each has a plain-Numba `*_reference` body with the same contract. The VNNI versions are LLVM IR written here
-(Numba cannot express vector instructions); where the CPU lacks VNNI, or with NUMBA_DISABLE_JIT=1, the plain names
-are the reference bodies. `USE_VNNI` is what the dispatch passes as `vnni` to the kernels that call these; the
-environment variable TINYLLM_NO_VNNI=1 forces the reference bodies on a VNNI host too.
+Each has a plain-Numba `*_reference` body with the same contract. The fast versions are LLVM IR written here
+(Numba cannot express vector instructions), in one of two instruction sets (`INT_DOTS`): AVX-512 VNNI, or, on a
+CPU with AVX2 but not VNNI, AVX2's byte multiply-adds, as llama.cpp's AVX2 kernels do: vpmaddubsw multiplies 32
+unsigned by 32 signed bytes and adds adjacent pairs into 16-bit sums, vpmaddwd by ones adds those pairs into
+int32 lanes of 4 products each, the lanes of vpdpbusd. The 16-bit sums saturate past 32,767, so AVX2 takes the
+int8 weights as |w| against sign(w) * x (vpsignb: at most 2 x 128 x 127) instead of VNNI's w + 128; 4-bit values
+are at most 2 x 15 x 127. With neither (or NUMBA_DISABLE_JIT=1) the plain names are the reference bodies.
+`USE_INT_DOTS` is what the dispatch passes as `int_dots` to the kernels that call these; the environment variable
+TINYLLM_NO_VNNI=1 forces the reference bodies on any CPU. `USE_VNNI` says whether int8_tiles.py's integer tiles
+and kv_rows.py's VNNI rows may run (they have no AVX2 version).
 """
 from __future__ import annotations
 
@@ -47,10 +53,14 @@ from ..quant import BLOCK
 from .llvm_ir import call, lane_total, prefetch
 from .numerics import SERIAL
 
-HAVE_VNNI = (not config.DISABLE_JIT and not config.CPU_NAME       # (a portable build targets no host features)
-             and {"avx512vnni", "avx512vl"} <= set(f[1:] for f in llvm.get_host_cpu_features().flatten().split(",")
-                                                   if f.startswith("+")))
-USE_VNNI = HAVE_VNNI and os.environ.get("TINYLLM_NO_VNNI", "") in ("", "0")
+_HOST = (set() if config.DISABLE_JIT or config.CPU_NAME                # (a portable build targets no host features)
+         else {f[1:] for f in llvm.get_host_cpu_features().flatten().split(",") if f.startswith("+")})
+HAVE_VNNI = {"avx512vnni", "avx512vl"} <= _HOST
+HAVE_AVX2 = "avx2" in _HOST
+INT_DOTS = "vnni" if HAVE_VNNI else "avx2" if HAVE_AVX2 else None      # the instructions dot_* below are written in
+_FORCED_PLAIN = os.environ.get("TINYLLM_NO_VNNI", "") not in ("", "0")
+USE_INT_DOTS = INT_DOTS is not None and not _FORCED_PLAIN
+USE_VNNI = HAVE_VNNI and not _FORCED_PLAIN
 # Rows are short (576 int8 or 288 packed bytes), so the hardware prefetcher keeps restarting: ask this far ahead
 # (8 KiB, some 14 int8 rows: the int8 kernels read from memory 1.2-1.3x faster than with 2 KiB; RESULTS.md).
 PREFETCH_BYTES = 8192
@@ -111,9 +121,9 @@ def dot_q4_reference(w, o, d, mins, xg, xs4, xsum4):
 dot_int8, dot_int8_block, dot_q4 = dot_int8_reference, dot_int8_block_reference, dot_q4_reference
 
 
-# --- the VNNI versions, in LLVM IR -----------------------------------------------------------------------------
-if HAVE_VNNI:
-    _i8, _i32, _f32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+# --- the fast versions, in LLVM IR: VNNI or AVX2 ----------------------------------------------------------------
+if INT_DOTS:
+    _i8, _i16, _i32, _f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
     _V8f32, _V16f32 = ir.VectorType(_f32, 8), ir.VectorType(_f32, 16)
     _FAST = ("fast",)
 
@@ -121,10 +131,30 @@ if HAVE_VNNI:
         """vector_type's worth of values from ptr + offset (in elements of ptr), no alignment assumed."""
         return builder.load(builder.bitcast(builder.gep(ptr, [offset]), vector_type.as_pointer()), align=1)
 
-    def _dpbusd(builder, acc, unsigned, signed):
+    def _halves(builder, v):
+        """<n x i8> -> its 32-byte pieces, in order (what one AVX2 instruction takes)."""
+        return [builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_i32, 32), list(range(first, first + 32))))
+                for first in range(0, v.type.count, 32)]
+
+    def _joined(builder, pieces):
+        """Vectors of one type (2^k of them) -> one, in order: _halves' inverse."""
+        while len(pieces) > 1:
+            n = 2 * pieces[0].type.count
+            pieces = [builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_i32, n), list(range(n))))
+                      for a, b in zip(pieces[::2], pieces[1::2])]
+        return pieces[0]
+
+    def _quad_sums(builder, acc, unsigned, signed, isa):
         """acc <n x i32> + the products of 4n unsigned by 4n signed bytes, each group of 4 summed into one lane
-        (n = 8 or 16: a 256- or 512-bit vpdpbusd)."""
-        return call(builder, f"llvm.x86.avx512.vpdpbusd.{32 * acc.type.count}", acc.type, acc, unsigned, signed)
+        (n = 8 or 16). VNNI: one vpdpbusd. AVX2: per 32 bytes, vpmaddubsw (pairs into int16) and vpmaddwd by ones
+        (pairs of pairs into int32), exact where no pair of products passes 32,767 (the callers make sure)."""
+        if isa == "vnni":
+            return call(builder, f"llvm.x86.avx512.vpdpbusd.{32 * acc.type.count}", acc.type, acc, unsigned, signed)
+        ones = ir.Constant(ir.VectorType(_i16, 16), [1] * 16)
+        quads = [call(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(_i32, 8),
+                      call(builder, "llvm.x86.avx2.pmadd.ub.sw", ir.VectorType(_i16, 16), u, x), ones)
+                 for u, x in zip(_halves(builder, unsigned), _halves(builder, signed))]
+        return builder.add(acc, _joined(builder, quads))
 
     def _row_sum(builder, n_steps, step, row, bytes_per_step, vector_type=_V8f32):
         """sum over i < n_steps of step(i) (a vector_type of floats) in two running sums, so that consecutive adds
@@ -154,11 +184,12 @@ if HAVE_VNNI:
         return {name: val if name == "o" else cgutils.create_struct_proxy(ty)(context, builder, value=val)
                 for name, ty, val in zip(names.split(), signature.args, args)}
 
-    def _int8_dot_codegen(kind):
-        """dot_int8 (kind "int8") or dot_int8_block (kind "int8-block"): a pair of blocks per 512-bit vpdpbusd
-        (lanes 0-7 the first block's, 8-15 the second's), a last odd block in 256 bits. vpdpbusd multiplies
-        unsigned bytes by signed ones: the weight goes in as w + 128 (one xor), the input as it is, and the sums
-        start at xstart (-128 times the input's sums), so they come out as the products of w and xq."""
+    def _int8_dot_codegen(kind, isa):
+        """dot_int8 (kind "int8") or dot_int8_block (kind "int8-block"): a pair of blocks per 64 bytes of integer
+        sums (lanes 0-7 the first block's, 8-15 the second's), a last odd block in 32. Both instruction sets
+        multiply unsigned bytes by signed ones. VNNI: the weight goes in as w + 128 (one xor), the input as it is,
+        and the sums start at xstart (-128 times the input's sums), so they come out as the products of w and xq.
+        AVX2: |w| against sign(w) * xq (vpsignb twice), so that a pair of products fits in 16 bits; sums from 0."""
         names = {"int8": "w o xq xstart xs", "int8-block": "w o ws xq xstart xs"}[kind]
 
         def codegen(context, builder, signature, args):
@@ -176,10 +207,18 @@ if HAVE_VNNI:
                 nbytes, lanes = BLOCK * size, 8 * size
                 bytes_type = ir.VectorType(_i8, nbytes)
                 x_off = builder.mul(first, ir.Constant(first.type, BLOCK))
-                w = builder.xor(_load(builder, row, x_off, bytes_type), ir.Constant(bytes_type, [-128] * nbytes))
-                start = _load(builder, a["xstart"].data, builder.mul(first, ir.Constant(first.type, 8)),
-                              ir.VectorType(_i32, lanes))
-                isum = _dpbusd(builder, start, w, _load(builder, a["xq"].data, x_off, bytes_type))
+                w = _load(builder, row, x_off, bytes_type)
+                x = _load(builder, a["xq"].data, x_off, bytes_type)
+                if isa == "vnni":
+                    start = _load(builder, a["xstart"].data, builder.mul(first, ir.Constant(first.type, 8)),
+                                  ir.VectorType(_i32, lanes))
+                    isum = _quad_sums(builder, start, builder.xor(w, ir.Constant(bytes_type, [-128] * nbytes)), x,
+                                      isa)
+                else:
+                    sign = lambda v: [call(builder, "llvm.x86.avx2.psign.b", piece.type, piece, w_piece)  # noqa: E731
+                                      for piece, w_piece in zip(_halves(builder, v), _halves(builder, w))]
+                    isum = _quad_sums(builder, ir.Constant(ir.VectorType(_i32, lanes), [0] * lanes),
+                                      _joined(builder, sign(w)), _joined(builder, sign(x)), isa)
                 scale = _load(builder, xs.data, first, ir.VectorType(_f32, size))
                 if kind == "int8-block":
                     scale = builder.fmul(scale, _load(builder, ws_row, first, ir.VectorType(_f32, size)))
@@ -196,11 +235,15 @@ if HAVE_VNNI:
             return builder.load(result)
         return codegen
 
-    def _q4_dot_codegen(context, builder, signature, args):
+    def _q4_dot_codegen(isa):
         """dot_q4: one 64-byte load is a group of four blocks' packed bytes; its low nibbles meet the group's first
-        64 input values and its high nibbles the next 64, so four blocks cost one load, two masks and two 512-bit
-        vpdpbusd, whose lanes 4j..4j+3 then hold block j's share; one shuffle spreads each block's d and min over
-        its four lanes. A last pair of blocks is the same in 256 bits."""
+        64 input values and its high nibbles the next 64, so four blocks cost one load, two masks and two steps of
+        integer sums (_quad_sums: 512-bit vpdpbusd, or AVX2's multiply-adds), whose lanes 4j..4j+3 then hold
+        block j's share; one shuffle spreads each block's d and min over its four lanes. A last pair of blocks is
+        the same in 256 bits."""
+        return lambda context, builder, signature, args: _q4_dot(context, builder, signature, args, isa)
+
+    def _q4_dot(context, builder, signature, args, isa):
         a = _structs(context, builder, signature, args, "w o d mins xg xs4 xsum4")
         o = a["o"]
         row = builder.gep(a["w"].data, [builder.mul(o, builder.extract_value(a["w"].shape, 1))])
@@ -216,10 +259,10 @@ if HAVE_VNNI:
             low = builder.and_(packed, ir.Constant(bytes_type, [15] * nbytes))         # values 0-15 of each
             high = builder.lshr(packed, ir.Constant(bytes_type, [4] * nbytes))         # values 16-31
             x_off = builder.mul(first, c(BLOCK))
-            isum = _dpbusd(builder, ir.Constant(ir.VectorType(_i32, 4 * size), [0] * 4 * size), low,
-                           _load(builder, a["xg"].data, x_off, bytes_type))
-            isum = _dpbusd(builder, isum, high, _load(builder, a["xg"].data, builder.add(x_off, c(nbytes)),
-                                                      bytes_type))
+            isum = _quad_sums(builder, ir.Constant(ir.VectorType(_i32, 4 * size), [0] * 4 * size), low,
+                              _load(builder, a["xg"].data, x_off, bytes_type), isa)
+            isum = _quad_sums(builder, isum, high, _load(builder, a["xg"].data, builder.add(x_off, c(nbytes)),
+                                                         bytes_type), isa)
             four_each = ir.Constant(ir.VectorType(_i32, 4 * size), [j // 4 for j in range(4 * size)])
             both = lambda ptr: builder.shuffle_vector(                                  # noqa: E731
                 _load(builder, ptr, first, ir.VectorType(_f32, size)), ir.Constant(ir.VectorType(_f32, size),
@@ -239,14 +282,21 @@ if HAVE_VNNI:
             builder.store(builder.fadd(builder.load(result), pair, flags=_FAST), result)
         return builder.load(result)
 
-    @intrinsic
-    def dot_int8(typingctx, w, o, xq, xstart, xs):
-        return types.float32(w, o, xq, xstart, xs), _int8_dot_codegen("int8")
+    def _dots_in(isa):
+        """(dot_int8, dot_int8_block, dot_q4) written in isa's instructions ("vnni" or "avx2")."""
+        @intrinsic
+        def dot_int8(typingctx, w, o, xq, xstart, xs):
+            return types.float32(w, o, xq, xstart, xs), _int8_dot_codegen("int8", isa)
 
-    @intrinsic
-    def dot_int8_block(typingctx, w, o, ws, xq, xstart, xs):
-        return types.float32(w, o, ws, xq, xstart, xs), _int8_dot_codegen("int8-block")
+        @intrinsic
+        def dot_int8_block(typingctx, w, o, ws, xq, xstart, xs):
+            return types.float32(w, o, ws, xq, xstart, xs), _int8_dot_codegen("int8-block", isa)
 
-    @intrinsic
-    def dot_q4(typingctx, w, o, d, mins, xg, xs4, xsum4):
-        return types.float32(w, o, d, mins, xg, xs4, xsum4), _q4_dot_codegen
+        @intrinsic
+        def dot_q4(typingctx, w, o, d, mins, xg, xs4, xsum4):
+            return types.float32(w, o, d, mins, xg, xs4, xsum4), _q4_dot_codegen(isa)
+        return dot_int8, dot_int8_block, dot_q4
+
+    # each instruction set the host has, by name (the tests hold both to the reference bodies on a VNNI host)
+    DOTS = {isa: _dots_in(isa) for isa, have in (("vnni", HAVE_VNNI), ("avx2", HAVE_AVX2)) if have}
+    dot_int8, dot_int8_block, dot_q4 = DOTS[INT_DOTS]

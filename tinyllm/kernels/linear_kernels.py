@@ -376,28 +376,28 @@ def round_rows(x):
     return xr
 
 
-def _int8_row_dot(w, o, xq, xstart, xs, vnni):
+def _int8_row_dot(w, o, xq, xstart, xs, int_dots):
     """Row o of an int8 weight (w = (q, scale)) times one rounded input row, scales applied (Python body: the
-    reference dot products, as a CPU without VNNI runs them)."""
+    reference dot products, as a CPU without VNNI or AVX2 runs them)."""
     if w[1].ndim == 2:
         return dot_int8_block_reference(w[0], o, w[1], xq, xstart, xs)
     return (dot_int8_reference(w[0], o, xq, xstart, xs) + _int8_short_block(w[0], o, xq, xs)) * w[1][o]
 
 
 @overload(_int8_row_dot, inline="always")
-def _int8_row_dot_typed(w, o, xq, xstart, xs, vnni):
+def _int8_row_dot_typed(w, o, xq, xstart, xs, int_dots):
     if w.types[1].ndim == 2:                                            # one scale per block
-        def per_block(w, o, xq, xstart, xs, vnni):
-            if vnni:
+        def per_block(w, o, xq, xstart, xs, int_dots):
+            if int_dots:
                 return dot_int8_block(w[0], o, w[1], xq, xstart, xs)
             return dot_int8_block_reference(w[0], o, w[1], xq, xstart, xs)
         return per_block
 
-    def per_row(w, o, xq, xstart, xs, vnni):                           # one scale per row; any width
+    def per_row(w, o, xq, xstart, xs, int_dots):                       # one scale per row; any width
         short = w[0].shape[1] % BLOCK != 0                              # (returns only: no merged variables)
-        if vnni and short:
+        if int_dots and short:
             return (dot_int8(w[0], o, xq, xstart, xs) + _int8_short_block(w[0], o, xq, xs)) * w[1][o]
-        if vnni:
+        if int_dots:
             return dot_int8(w[0], o, xq, xstart, xs) * w[1][o]
         if short:
             return (dot_int8_reference(w[0], o, xq, xstart, xs) + _int8_short_block(w[0], o, xq, xs)) * w[1][o]
@@ -417,11 +417,11 @@ def _int8_short_block(q, o, xq, xs):
 
 
 @njit(**SERIAL)
-def int8_a8_task(w, xq, xstart, xs, out, o0, o1, vnni):
+def int8_a8_task(w, xq, xstart, xs, out, o0, o1, int_dots):
     """linear_int8_a8's task: out[:, o0:o1], each input row's views taken once for the task's rows."""
     for m in range(xq.shape[0]):
         q_m, start_m, s_m = xq[m], xstart[m], xs[m]
-        if vnni:                               # two loops with a constant each, so that neither carries a branch
+        if int_dots:                           # two loops with a constant each, so that neither carries a branch
             for o in range(o0, o1):
                 out[m, o] = _int8_row_dot(w, o, q_m, start_m, s_m, True)
         else:
@@ -430,13 +430,13 @@ def int8_a8_task(w, xq, xstart, xs, out, o0, o1, vnni):
 
 
 @njit(**PARALLEL)
-def linear_int8_a8(w, x, out, vnni):
+def linear_int8_a8(w, x, out, int_dots):
     """w = (q [O, I] int8, scale [O] or [O, I/32]); x [M, I] is rounded to int8 blocks here -> out [M, O], each
-    dot product in integers (the VNNI intrinsics if vnni, else their reference bodies)."""
+    dot product in integers (intdot's VNNI or AVX2 versions if int_dots, else their reference bodies)."""
     xq, xstart, xs = quantize_rows(x)
     O = w[0].shape[0]
     for task in prange(n_tasks(O)):
-        int8_a8_task(w, xq, xstart, xs, out, task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK), vnni)
+        int8_a8_task(w, xq, xstart, xs, out, task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK), int_dots)
 
 
 @njit(**PARALLEL)
@@ -552,14 +552,14 @@ def _group_layout(xq, xs):
 
 
 @njit(**SERIAL)
-def q4_a8_task(w, xq, xs, xg, xs4, xsum4, out, o0, o1, vnni):
+def q4_a8_task(w, xq, xs, xg, xs4, xsum4, out, o0, o1, int_dots):
     """linear_q4_a8's task: out[:, o0:o1]. dot_q4 is called directly in the row loop, with each input row's views
     taken once per task (through an inlined helper holding both dot_q4 and its reference body the loop ran
     1.2-1.4x slower: RESULTS.md, "The 4-bit dot product called directly"); an odd last block is added after."""
     packed, d, mins = w
     for m in range(xq.shape[0]):
         g, s4, sum4 = xg[m], xs4[m], xsum4[m]
-        if vnni:                               # two loops with a constant each, so that neither carries a branch
+        if int_dots:                           # two loops with a constant each, so that neither carries a branch
             for o in range(o0, o1):
                 out[m, o] = dot_q4(packed, o, d, mins, g, s4, sum4)
         else:
@@ -579,10 +579,10 @@ def q4_a8_task(w, xq, xs, xg, xs4, xsum4, out, o0, o1, vnni):
 
 
 @njit(**PARALLEL)
-def linear_q4_a8(w, x, out, vnni):
+def linear_q4_a8(w, x, out, int_dots):
     """w = (packed [O, I/2], d, mins [O, I/32]); x [M, I] is rounded to int8 blocks here -> out [M, O]."""
     xq, _, xs = quantize_rows(x)
     xg, xs4, xsum4 = _group_layout(xq, xs)
     O = w[0].shape[0]
     for task in prange(n_tasks(O)):
-        q4_a8_task(w, xq, xs, xg, xs4, xsum4, out, task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK), vnni)
+        q4_a8_task(w, xq, xs, xg, xs4, xsum4, out, task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK), int_dots)

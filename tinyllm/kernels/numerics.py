@@ -64,3 +64,24 @@ def softmax_in_place(row):
     inv = np.float32(1.0) / total
     for s in range(row.shape[0]):
         row[s] *= inv
+
+
+@njit(fastmath=EXACT_PER_VALUE, cache=True, nogil=True, error_model="numpy")
+def ordered_sum(row, n):
+    """row[:n].sum() in an order that no compiler changes: 16 running sums (lane l takes the values at l, l + 16,
+    ...), then added in halves. With fastmath's reassociation LLVM picks a sum's order by how it vectorises the
+    loop, which depends on where the loop is compiled (inlined into a caller, or loaded from the disk cache); the
+    callers that must agree bit for bit (block.py's threaded block and the kernels) share this instead."""
+    lanes = np.zeros(16, np.float32)
+    full = n - n % 16
+    for i in range(0, full, 16):
+        for lane in range(16):
+            lanes[lane] += row[i + lane]
+    for i in range(full, n):
+        lanes[i - full] += row[i]
+    width = 16
+    while width > 1:
+        width //= 2
+        for lane in range(width):
+            lanes[lane] += lanes[lane + width]
+    return lanes[0]

@@ -56,7 +56,7 @@ def _block_arguments(fmt: str | None, kv_dtype: str, heads: tuple) -> tuple:
     (k, k_scales), (v, v_scales) = kernel_operands(kv), kernel_operands(kv)
     mats = [weight_arrays(_matrix(fmt, rows, cols)) for rows, cols in (((H + 2 * KVH) * Dh, BLOCK), (BLOCK, H * Dh),
                                                                         (2 * BLOCK, BLOCK), (BLOCK, BLOCK))]
-    return (x, norm, norm, *mats, intdot.USE_VNNI, k, k_scales, v, v_scales, 0, trig, trig, H, 1e-5,
+    return (x, norm, norm, *mats, intdot.USE_INT_DOTS, k, k_scales, v, v_scales, 0, trig, trig, H, 1e-5,
             row_shape_of(k, k_scales, H // KVH))
 
 
