@@ -330,12 +330,18 @@ def test_causal_attention_matches_numpy(T, start, H, KVH, Dh):
 
 @pytest.mark.parametrize("M, K, N", [(8, 64, 16), (64, 64, 48), (96, 64, 64), (16, 5, 80), (8, 1, 128), (24, 33, 112)])
 @pytest.mark.parametrize("a_transposed", [False, True])
-def test_register_tiles_multiply_like_numpy(M, K, N, a_transposed):
-    """register_tiles.product (prefill attention's two products): tiles of 8 rows and 3, 2 or 1 vectors of 16
-    columns, A read as it is or transposed, against numpy; and the LLVM IR tile against its plain-loop twin."""
+@pytest.mark.parametrize("width", ["wide", "narrow"])
+def test_register_tiles_multiply_like_numpy(M, K, N, a_transposed, width):
+    """register_tiles' products (prefill attention's two, the prompt-chunk linears'): tiles of 8 rows and 3, 2 or
+    1 vectors of 16 columns (wide: AVX-512) or of 4 rows and 1 vector (narrow: AVX2), whichever the host runs, A
+    read as it is or transposed, against numpy; and the LLVM IR tile against its plain-loop twin."""
     from numba import njit
 
-    from tinyllm.kernels.register_tiles import product, product_tile, product_tile_reference
+    from tinyllm.kernels import register_tiles
+    from tinyllm.kernels.register_tiles import product_tile, product_tile_reference
+    product = register_tiles.product_wide if width == "wide" else register_tiles.product_narrow
+    assert register_tiles.product is (register_tiles.product_wide if register_tiles.WIDE else
+                                      register_tiles.product_narrow)
     a = RNG.normal(size=(K, M) if a_transposed else (M, K)).astype(np.float32)
     b = RNG.normal(size=(K, N)).astype(np.float32)
     c = np.full((M, N), np.nan, dtype=np.float32)
@@ -756,11 +762,11 @@ def test_the_threads_shares_of_a_linear_make_the_whole(fmt, a8):
     x = rng.standard_normal((3, 128)).astype(np.float32)
     a8 = a8 and fmt is not None
     whole = np.empty((3, 70), np.float32)
-    linear_into(arrays, x, whole, a8, intdot.USE_VNNI)
+    linear_into(arrays, x, whole, a8, intdot.USE_INT_DOTS)
     every_share = _every_share(a8)
     for n in (1, 2, 3):
         shares = np.full((3, 70), np.nan, np.float32)
-        every_share(arrays, x, shares, intdot.USE_VNNI, n)
+        every_share(arrays, x, shares, intdot.USE_INT_DOTS, n)
         if fmt == "q4_1" and not a8:    # q4_rows_task's float sum, vectorised differently in the two callers here
             np.testing.assert_allclose(shares, whole, rtol=1e-5, atol=1e-5)
         else:
@@ -774,7 +780,7 @@ def _every_share(a8: bool):
     from tinyllm.kernels.dispatch import linear_share
 
     @njit
-    def every_share(w, x, out, vnni, n):
+    def every_share(w, x, out, int_dots, n):
         for tid in range(n):
-            linear_share(w, x, out, a8, vnni, tid, n)
+            linear_share(w, x, out, a8, int_dots, tid, n)
     return every_share

@@ -250,14 +250,20 @@ def test_activations_are_a_setting_of_the_model_not_of_shared_weights():
     assert target.activations == "float32" and draft.activations == "int8"
 
 
+# float32 rounding of a random model's logits (of order 1) through 2 layers; a bug of the fused path: 1e-2 and more
+FUSED_TOLERANCE = dict(rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("quant,activations", [(None, "float32"), ("int8", "float32"), ("int8", "int8"),
                                                ("int8-block", "int8"), ("q4_1", "float32"), ("q4_1", "int8")])
 def test_fused_decode_equals_the_op_by_op_blocks(quant, activations, monkeypatch):
     """A numba pass of up to FEW_TOKENS tokens on a contiguous cache runs each block as one compiled call (the
     threaded block below TILE_MIN_ROWS tokens with quantized weights, else the plain one, also while the threaded
-    one is still compiling); each must give bit for bit the logits and the cache of the op-by-op `_block`
-    path it replaces: for a prompt, decode steps, and verification-sized passes (3 rows: the pair kernels; 9: the
-    tiles; 16: the most)."""
+    one is still compiling); each must give the logits and the cache of the op-by-op `_block` path it replaces,
+    to float32 rounding: for a prompt, decode steps, and verification-sized passes (3 rows: the pair kernels; 9:
+    the tiles; 16: the most). (The same kernels, but a kernel compiled into a block can vectorise a float sum in
+    another order than when it is called alone: seen on an AVX2 host, last bits after the first test compiled the
+    kernels in this process. A wrong position, head or cache row would be off by far more than FUSED_TOLERANCE.)"""
     from tinyllm import kernels
     from tinyllm.kernels import block
     m = random_model("llama", dim=64, ffn_dim=64, quant=quant, activations=activations)
@@ -277,9 +283,9 @@ def test_fused_decode_equals_the_op_by_op_blocks(quant, activations, monkeypatch
         caches[path] = cache
     assert sorted(set(threaded_rows)) == ([1, 3, 5] if quant else [])  # below TILE_MIN_ROWS rows, quantized
     for path in ("plain", "threaded"):
-        np.testing.assert_array_equal(logits[path], logits["op by op"])
-        np.testing.assert_array_equal(caches[path].k[:, :36], caches["op by op"].k[:, :36])
-        np.testing.assert_array_equal(caches[path].v[:, :36], caches["op by op"].v[:, :36])
+        np.testing.assert_allclose(logits[path], logits["op by op"], **FUSED_TOLERANCE)
+        np.testing.assert_allclose(caches[path].k[:, :36], caches["op by op"].k[:, :36], **FUSED_TOLERANCE)
+        np.testing.assert_allclose(caches[path].v[:, :36], caches["op by op"].v[:, :36], **FUSED_TOLERANCE)
 
     def op_by_op(*args):
         raise AssertionError("the op-by-op path ran")
@@ -296,7 +302,7 @@ def test_fused_decode_equals_the_op_by_op_blocks(quant, activations, monkeypatch
 def test_the_fused_steps_prepared_operands_follow_the_cache_and_the_layers():
     """What the fused block takes of the weights and of each cache is built once, not every step. Steps that
     alternate between two caches, and a copy of the model with other layers (a quantized draft, which starts out
-    sharing the model's attributes), still give the op-by-op logits bit for bit; a cache no longer referenced
+    sharing the model's attributes), still give the op-by-op logits (to float32 rounding); a cache no longer referenced
     leaves nothing behind (its storage is not kept alive by the model)."""
     import gc
 
@@ -315,7 +321,7 @@ def test_the_fused_steps_prepared_operands_follow_the_cache_and_the_layers():
     for make in (lambda: m, lambda: quantized_copy(m, "int8")):     # (the copy made after m has run)
         model = make()
         for got, want in zip(run(model, True), run(model, False)):
-            np.testing.assert_array_equal(got, want)
+            np.testing.assert_allclose(got, want, **FUSED_TOLERANCE)
     gc.collect()
     assert len(m._cache_operands) == 0
 

@@ -3,7 +3,9 @@
 Called op by op from Python, a decode step makes about 13 kernel calls per layer plus the numpy glue between
 them, and each call spends microseconds on argument checks and unboxing in which no weight byte is read. Here the
 same kernels are called from compiled code, one Python call per layer, as llama2.c's forward() does in C. The
-logits and the cache are bit for bit those of the op-by-op path (tests/test_model.py).
+logits and the cache are those of the op-by-op path (tests/test_model.py): bit for bit when the kernels were
+compiled alike, else to float32 rounding (a kernel compiled into a block may vectorise a float sum in another
+order than alone).
 
 Two versions. The plain block calls the kernels one after another, and each kernel starts and joins its own
 parallel region (about 5 per layer). The threaded block, for fewer than TILE_MIN_ROWS tokens (a decode step, a
@@ -11,8 +13,8 @@ short verification) of a model with quantized weights, is one parallel region pe
 whole block, each taking its share of every matrix's rows (and of attention's position chunks and heads) and
 meeting at a spin barrier (spin_barrier.py) between the stages that need each other's results; the small
 per-token work (RMSNorm, the input's rounding, SwiGLU) every thread does for itself rather than wait. Its shares
-are computed by the very functions the kernels' parallel loops call, so its results are the plain block's, bit
-for bit.
+are computed by the very functions the kernels' parallel loops call, so its results are the plain block's (with
+the same caveat).
 """
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from .int8_tiles import TILE_COLS, int8_tile, pack_panel, pack_q4_panel
 from .intdot import (dot_int8, dot_int8_block, dot_int8_block_reference, dot_int8_reference, dot_q4,
                      dot_q4_reference, q4_group)
 from .numerics import EXACT_PER_VALUE, PARALLEL, SERIAL
-from .register_tiles import LANES, TILE_ROWS, product
+from .register_tiles import LANES, product
 
 # Work is split over the cores by blocks of OUT_BLOCK weight rows; a block's rows stay in cache while every input
 # row passes over them, so a batch of M rows costs about one read of the weights.
@@ -250,7 +250,7 @@ def q4_rows_task(w, xlo, xhi, xsum, out, o0, o1, m0):
 # From this many input rows on (a prompt chunk), `linear_panels` beats the tiles above for fp32 and 4-bit weights
 # (for int8 they come out even: RESULTS.md, "Prefill in register tiles").
 PANEL_MIN_ROWS = 64
-PANEL_ROWS = 2 * TILE_ROWS   # weight rows per task: a whole 64-byte line of each of out's rows
+PANEL_ROWS = 16   # weight rows per task: a whole 64-byte line of each of out's rows
 
 
 def _dequantize_row(w, o, row):

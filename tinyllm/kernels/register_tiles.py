@@ -13,7 +13,10 @@ is cheap; at K = 64 (a head's size, a key block) it cost about as much as the pr
 step at a time: b's row k is loaded once as `vectors` 16-float vectors, each A[r0 + i, k] is broadcast to a vector,
 and the rows x vectors sums are multiply-adds into registers: nothing is ever added across lanes (the BLAS
 micro-kernel's way: Goto and van de Geijn, "Anatomy of high-performance matrix multiplication", 2008). With
-rows = 8 and up to 3 vectors a tile keeps 24 sums of the 32 AVX-512 registers busy.
+rows = 8 and up to 3 vectors a tile keeps 24 sums of the 32 AVX-512 registers busy. A CPU without AVX-512 has 16
+registers of 8 floats, where such a tile's sums no longer fit and spill to memory (2.4-3.7x slower, one thread,
+RESULTS.md): there `product` takes tiles of 4 rows and 1 vector (8 registers of sums, as OpenBLAS's AVX2 kernels
+keep 12).
 
 `product_tile_reference` is the same contract in plain loops: what runs with NUMBA_DISABLE_JIT=1 and what the tests
 hold the IR to. The IR uses only generic vector operations, so it compiles for any CPU (narrower ones split each
@@ -22,6 +25,7 @@ hold the IR to. The IR uses only generic vector operations, so it compiles for a
 from __future__ import annotations
 
 import numpy as np
+import llvmlite.binding as llvm
 from llvmlite import ir
 from numba import config, njit, types
 from numba.core import cgutils
@@ -31,7 +35,10 @@ from .llvm_ir import call
 from .numerics import SERIAL
 
 LANES = 16           # float32 values per vector (one AVX-512 register)
-TILE_ROWS = 8        # rows of C per tile (the `rows` that `product` passes)
+TILE_ROWS = 8        # `product`'s rows of C come in multiples of this
+# 32 vector registers of 16 floats (AVX-512), or fewer and narrower: which tiles `product` takes
+WIDE = (not config.DISABLE_JIT and not config.CPU_NAME
+        and "+avx512f" in llvm.get_host_cpu_features().flatten().split(","))
 
 
 @njit(**SERIAL)
@@ -102,7 +109,7 @@ product_tile = product_tile_reference if config.DISABLE_JIT else _product_tile_i
 
 
 @njit(**SERIAL)
-def product(a, b, c, a_transposed):
+def product_wide(a, b, c, a_transposed):
     """c [M, N] = A @ b (A = a, or a.T with a_transposed) in tiles of TILE_ROWS rows and up to 3 vectors: M a
     multiple of TILE_ROWS, N of LANES. (The constants of each call below compile one tile body apiece.)"""
     M, N = c.shape
@@ -127,3 +134,18 @@ def product(a, b, c, a_transposed):
                 else:
                     product_tile(a, b, c, r0, n0, 8, 1, False)
             n0 += LANES * width
+
+
+@njit(**SERIAL)
+def product_narrow(a, b, c, a_transposed):
+    """product_wide's contract in tiles of 4 rows and 1 vector: for CPUs with 16 vector registers (AVX2)."""
+    M, N = c.shape
+    for r0 in range(0, M, 4):
+        for n0 in range(0, N, LANES):
+            if a_transposed:
+                product_tile(a, b, c, r0, n0, 4, 1, True)
+            else:
+                product_tile(a, b, c, r0, n0, 4, 1, False)
+
+
+product = product_wide if WIDE else product_narrow
