@@ -28,8 +28,9 @@ def test_linear_matches_numpy(fmt, M, O, I):
 @pytest.mark.parametrize("M", [1, 17, 64])
 @pytest.mark.parametrize("O, I", [(1, 32), (33, 64), (130, 96), (7, 1536)])
 def test_linear_panels_matches_numpy(fmt, M, O, I):
-    """The prompt-chunk kernel on every format (dispatch sends it only fp32 and 4-bit weights, from PANEL_MIN_ROWS
-    rows): any row count (x^T padded to whole vectors), a short last task of weight rows."""
+    """The prompt-chunk kernel on every format (dispatch sends it fp32 and 4-bit weights from PANEL_MIN_ROWS rows,
+    and int8 ones too on a CPU without AVX-512): any row count (x^T padded to whole vectors), a short last task of
+    weight rows."""
     w = RNG.normal(0, 0.1, (O, I)).astype(np.float32)
     x = RNG.normal(0, 1, (M, I)).astype(np.float32)
     qw = w if fmt == "fp32" else quant.quantize(w, fmt)

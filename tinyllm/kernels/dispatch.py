@@ -3,8 +3,9 @@
     rows in the pass     linears                                 attention
     1 .. FEW_TOKENS      linear_kernels.py (see linear_into)     decode_attention (flash-decoding)
     .. SMALL_M           linear_kernels.py (linear_panels from   tiled_causal_attention (prefill_attention.py)
-                         PANEL_MIN_ROWS, fp32 and 4-bit; with
-                         int8 inputs, from FEW_TOKENS + 1: the
+                         PANEL_MIN_ROWS, fp32 and 4-bit, and
+                         int8 without AVX-512; with int8 inputs
+                         and VNNI, from FEW_TOKENS + 1: the
                          integer tiles of int8_tiles.py)
     more                 BLAS sgemm (blas.py)                    numpy (ops.attention)
 
@@ -28,8 +29,8 @@ from . import blas, intdot
 from .attention_kernels import decode_attention, paged_decode_attention
 from .kv_formats import kernel_operands
 from .kv_rows import row_shape_of
-from .linear_kernels import (OUT_BLOCK, PANEL_MIN_ROWS, TILE_MIN_ROWS, _group_layout, int8_a8_task, linear_int8_a8,
-                             linear_integer_panels, linear_panels, linear_q4, linear_q4_a8, linear_rows, linear_tiled,
+from .linear_kernels import (OUT_BLOCK, PANEL_MIN_ROWS, PANELS_FOR_INT8, TILE_MIN_ROWS, _group_layout, int8_a8_task,
+                             linear_int8_a8, linear_integer_panels, linear_panels, linear_q4, linear_q4_a8, linear_rows, linear_tiled,
                              n_tasks, q4_a8_task, q4_rows_task, quantize_rows, round_rows, rows_task, split_halves,
                              weight_arrays)
 from .pointwise import swiglu_into, swiglu_rows_into
@@ -51,7 +52,7 @@ def linear_into(w, x, out, int8_inputs: bool, int_dots: bool) -> None:
     their at most FEW_TOKENS rows (fewer than the integer tiles start at: a block compiles no tile kernel)."""
     few, many, integer = ((linear_q4, linear_q4, linear_q4_a8) if len(w) == 3
                           else (linear_rows, linear_tiled, linear_int8_a8))
-    if x.shape[0] >= PANEL_MIN_ROWS and len(w) != 2:                     # a prompt chunk, fp32 or 4-bit weights
+    if x.shape[0] >= PANEL_MIN_ROWS and (len(w) != 2 or PANELS_FOR_INT8):  # a prompt chunk (int8: without AVX-512)
         many = linear_panels
     if int8_inputs and len(w) > 1 and x.shape[0] < TILE_MIN_ROWS:         # a few rows: integer dot products
         integer(w, x, out, int_dots)

@@ -26,7 +26,7 @@ from .int8_tiles import TILE_COLS, int8_tile, pack_panel, pack_q4_panel
 from .intdot import (dot_int8, dot_int8_block, dot_int8_block_reference, dot_int8_reference, dot_q4,
                      dot_q4_reference, q4_group)
 from .numerics import EXACT_PER_VALUE, PARALLEL, SERIAL
-from .register_tiles import LANES, product
+from .register_tiles import LANES, WIDE, product
 
 # Work is split over the cores by blocks of OUT_BLOCK weight rows; a block's rows stay in cache while every input
 # row passes over them, so a batch of M rows costs about one read of the weights.
@@ -247,9 +247,11 @@ def q4_rows_task(w, xlo, xhi, xsum, out, o0, o1, m0):
 
 
 # --- many rows: weight rows dequantized once, input columns in register tiles ---------------------------------
-# From this many input rows on (a prompt chunk), `linear_panels` beats the tiles above for fp32 and 4-bit weights
-# (for int8 they come out even: RESULTS.md, "Prefill in register tiles").
-PANEL_MIN_ROWS = 64
+# From this many input rows on (a prompt chunk), `linear_panels` beats the tiles above: with AVX-512's wide register
+# tiles for fp32 and 4-bit weights from 64 rows (int8 even: RESULTS.md, "Prefill in register tiles"); with the
+# narrow tiles of a CPU without AVX-512 for every format from 32 rows (RESULTS.md, "A CPU without AVX-512")
+PANEL_MIN_ROWS = 64 if WIDE else 32
+PANELS_FOR_INT8 = not WIDE
 PANEL_ROWS = 16   # weight rows per task: a whole 64-byte line of each of out's rows
 
 
