@@ -170,22 +170,26 @@ def _dot_contract_inputs(fmt, rng, I=256):
 def test_each_vector_dot_equals_its_reference_body(fmt, I, isa):
     """intdot.py's contract, row by row: the LLVM-IR dot product in each instruction set the host has (AVX-512
     VNNI, AVX2) and its plain-Numba reference body agree (they add the same integer products; only the order of
-    the float sums differs). q4_1 also with a pair of blocks alone (64 inputs), fours and a pair (192), and
-    SmolLM2's width (576: four fours and a pair); the int8 formats with an odd block after their pairs (288, 96).
-    The weights include -128 and the inputs +-127, the ends of AVX2's 16-bit pair sums (2 x 128 x 127)."""
+    the float sums differs; the 4-bit dot is dot_q4 in VNNI and dot_q4_blocks in AVX2). q4_1 also with a pair of
+    blocks alone (64 inputs), fours and a pair (192), and SmolLM2's width (576: four fours and a pair); the int8
+    formats with an odd block after their pairs (288, 96). The weights include -128 (4-bit: 15) and the inputs
+    +-127, the ends of AVX2's 16-bit sums (int8: 2 x 128 x 127; 4-bit, both nibbles in one: 2 x 2 x 15 x 127)."""
     from numba import njit
     w, xq, xstart, xs = _dot_contract_inputs(fmt, np.random.default_rng(5), I)
-    if fmt != "q4_1":                                                 # the extremes, in whole pairs of values
-        w.arrays[0][0, :64], xq[0, :64] = -128, 127
-        w.arrays[0][1, :64], xq[0, 64:128] = 127, -127
+    xq[0, :64], xq[0, 64:128] = 127, -127                             # the extremes, in whole pairs of values
+    if fmt == "q4_1":
+        w.arrays[0][0, :32], w.arrays[0][1, 32:64] = 0xFF, 0xFF      # every value 15, in blocks 0-1 and 2-3
+    else:
+        w.arrays[0][0, :64] = -128
+        w.arrays[0][1, :64] = 127
         w.arrays[0][2, 64:128] = -128
         xstart[0] = -128 * xq[0, :I // 32 * 32].astype(np.int32).reshape(-1, 4).sum(-1)
 
     int8, int8_block, q4 = intdot.DOTS[isa]
-    if fmt == "q4_1":
-        xg, xs4, xsum4 = lin._group_layout(xq, xs)
-        args = (w.d, w.m, xg[0], xs4[0], xsum4[0])
-        fast, ref = q4, intdot.dot_q4_reference
+    if fmt == "q4_1":                                                 # VNNI: dot_q4, AVX2: dot_q4_blocks
+        xg, scales, sums = lin._group_layout(xq, xs, isa == "vnni")
+        args = (w.d, w.m, xg[0], scales[0], sums[0])
+        fast, ref = q4, intdot.dot_q4_reference if isa == "vnni" else intdot.dot_q4_blocks_reference
     elif fmt == "int8":
         args = (xq[0], xstart[0], xs[0])
         fast, ref = int8, intdot.dot_int8_reference
@@ -204,10 +208,18 @@ def test_each_vector_dot_equals_its_reference_body(fmt, I, isa):
     got, want = rows(fast), rows(ref)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert fast is not ref
-    if fmt != "q4_1":                                                 # the extreme rows, in exact integers
-        q64, x64 = w.arrays[0].astype(np.int64), xq[0].astype(np.int64)
+    x64 = xq[0].astype(np.int64).reshape(-1, 32)                      # the extreme rows, in exact integers
+    if fmt == "q4_1":
+        nb = I // 32
+        packed = w.arrays[0][:2].reshape(2, nb, 16).astype(np.int64)
+        values = np.concatenate([packed & 15, packed >> 4], axis=-1)                # [2, blocks, 32]
+        even = nb - nb % 2
+        exact = (w.d[:2] * xs[0] * (values * x64).sum(-1) + w.m[:2] * xs[0] * x64.sum(-1))[:, :even].sum(-1)
+        np.testing.assert_allclose(got[:2], exact, rtol=1e-5, atol=1e-5)
+    else:
+        q64 = w.arrays[0].astype(np.int64)
         scale = (w.scale if fmt == "int8-block" else np.ones((9, I // 32)))[:3]
-        exact = ((q64[:3].reshape(3, -1, 32) * x64.reshape(-1, 32)).sum(-1) * xs[0] * scale).sum(-1)
+        exact = ((q64[:3].reshape(3, -1, 32) * x64).sum(-1) * xs[0] * scale).sum(-1)
         np.testing.assert_allclose(got[:3], exact, rtol=1e-5)
 
 
@@ -225,11 +237,13 @@ def test_the_reference_dots_compute_what_the_contract_says():
     np.testing.assert_allclose(rows(w.q, w.scale, xq[0], xstart[0], xs[0]), want, rtol=1e-5)
 
 
+@pytest.mark.parametrize("per_lane", [True, False])
 @pytest.mark.parametrize("I", [64, 192, 224, 256])
-def test_the_q4_reference_dot_on_the_grouped_layout_is_the_plain_block_sum(I):
-    """dot_q4_reference over _group_layout's reordered input (fours, a last pair) is the sum over the even blocks
-    of d * xs * (4-bit values . rounded x) + min * xs * sum(rounded x), written out in numpy from the unpacked
-    nibbles: whichever group a block falls in, it meets its own 32 input values."""
+def test_the_q4_reference_dots_on_the_grouped_layout_are_the_plain_block_sum(I, per_lane):
+    """dot_q4_reference and dot_q4_blocks_reference over _group_layout's reordered input (fours, a last pair; per
+    lane or per block) are the sum over the even blocks of d * xs * (4-bit values . rounded x) + min * xs *
+    sum(rounded x), written out in numpy from the unpacked nibbles: whichever group a block falls in, it meets its
+    own 32 input values."""
     from numba import njit
     w, xq, _, xs = _dot_contract_inputs("q4_1", np.random.default_rng(7), I)
     nb = I // quant.BLOCK
@@ -239,12 +253,13 @@ def test_the_q4_reference_dot_on_the_grouped_layout_is_the_plain_block_sum(I):
     x_blocks = xq[0].astype(np.int64).reshape(nb, quant.BLOCK)                          # [blocks, 32]
     dots = (values * x_blocks).sum(-1)                                              # [O, blocks]
     want = (w.d * xs[0] * dots + w.m * xs[0] * x_blocks.sum(-1))[:, :even].sum(-1)
-    xg, xs4, xsum4 = lin._group_layout(xq, xs)
+    xg, scales, sums = lin._group_layout(xq, xs, per_lane)
+    dot = intdot.dot_q4_reference if per_lane else intdot.dot_q4_blocks_reference
 
     @njit
-    def rows(p, d, m, xg, xs4, xsum4):
-        return np.array([intdot.dot_q4_reference(p, o, d, m, xg, xs4, xsum4) for o in range(p.shape[0])])
-    np.testing.assert_allclose(rows(w.arrays[0], w.d, w.m, xg[0], xs4[0], xsum4[0]), want, rtol=1e-5, atol=1e-5)
+    def rows(p, d, m, xg, scales, sums):
+        return np.array([dot(p, o, d, m, xg, scales, sums) for o in range(p.shape[0])])
+    np.testing.assert_allclose(rows(w.arrays[0], w.d, w.m, xg[0], scales[0], sums[0]), want, rtol=1e-5, atol=1e-5)
 
 
 def test_the_disk_cache_is_checked_against_every_kernel_source(tmp_path, monkeypatch):

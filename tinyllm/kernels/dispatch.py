@@ -29,10 +29,10 @@ from . import blas, intdot
 from .attention_kernels import decode_attention, paged_decode_attention
 from .kv_formats import kernel_operands
 from .kv_rows import row_shape_of
-from .linear_kernels import (OUT_BLOCK, PANEL_MIN_ROWS, PANELS_FOR_INT8, TILE_MIN_ROWS, _group_layout, int8_a8_task,
-                             linear_int8_a8, linear_integer_panels, linear_panels, linear_q4, linear_q4_a8, linear_rows, linear_tiled,
-                             n_tasks, q4_a8_task, q4_rows_task, quantize_rows, round_rows, rows_task, split_halves,
-                             weight_arrays)
+from .linear_kernels import (OUT_BLOCK, PANEL_MIN_ROWS, PANELS_FOR_INT8, TILE_MIN_ROWS, int8_a8_task, linear_int8_a8,
+                             linear_integer_panels, linear_panels, linear_q4, linear_q4_a8, linear_rows, linear_tiled,
+                             n_tasks, q4_a8_task, q4_inputs, q4_rows_task, quantize_rows, round_rows, rows_task,
+                             split_halves, weight_arrays)
 from .pointwise import swiglu_into, swiglu_rows_into
 from .prefill_attention import tiled_causal_attention
 
@@ -105,7 +105,7 @@ def linear_share(w, x, out, int8_inputs: bool, int_dots: bool, tid: int, n: int)
     first, end = thread_share(n_tasks(O), tid, n)
     if int8_inputs and len(w) == 3:
         xq, _, xs = quantize_rows(x)
-        xg, xs4, xsum4 = _group_layout(xq, xs)
+        xg, scales, sums = q4_inputs(xq, xs, int_dots)
     elif int8_inputs and len(w) == 2:
         xq, xstart, xs = quantize_rows(x)
     elif len(w) == 3:
@@ -113,7 +113,7 @@ def linear_share(w, x, out, int8_inputs: bool, int_dots: bool, tid: int, n: int)
     for task in range(first, end):
         o0, o1 = task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK)
         if int8_inputs and len(w) == 3:
-            q4_a8_task(w, xq, xs, xg, xs4, xsum4, out, o0, o1, int_dots)
+            q4_a8_task(w, xq, xs, xg, scales, sums, out, o0, o1, int_dots)
         elif int8_inputs and len(w) == 2:
             int8_a8_task(w, xq, xstart, xs, out, o0, o1, int_dots)
         elif len(w) == 3:
@@ -141,9 +141,9 @@ def _linear_share_typed(w, x, out, int8_inputs, int_dots, tid, n):
         def q4_a8(w, x, out, int8_inputs, int_dots, tid, n):
             O, first, end = tasks(w, tid, n)
             xq, _, xs = quantize_rows(x)
-            xg, xs4, xsum4 = _group_layout(xq, xs)
+            xg, scales, sums = q4_inputs(xq, xs, int_dots)
             for task in range(first, end):
-                q4_a8_task(w, xq, xs, xg, xs4, xsum4, out, task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK),
+                q4_a8_task(w, xq, xs, xg, scales, sums, out, task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK),
                            int_dots)
         return q4_a8
     if rounded:

@@ -26,6 +26,11 @@ The contract (what every function here returns, as float32; the callers in linea
         rounded input summed over the 8 values that lane multiplies, times that scale.
         -> sum over blocks b and lanes l of  isum[b, l] * d[o, b] * xs4[4b+l] + mins[o, b] * xsum4[4b+l],
            isum[b, l] = the integer dot of the lane's 4 bytes (both nibbles) with their 8 input values.
+    dot_q4_blocks(w, o, d, mins, xg, xs, xsum)
+        w, d, mins and xg as dot_q4; xs [I/32] the input's block scales, xsum [I/32] each block's rounded input
+        summed, times its scale. A block's integer sums are added up before its one float step.
+        -> sum over the blocks b of dot_q4's groups of  isum[b] * d[o, b] * xs[b] + mins[o, b] * xsum[b],
+           isum[b] = the integer dot of the block's 16 bytes (both nibbles) with its 32 input values.
 
 Each has a plain-Numba `*_reference` body with the same contract. The fast versions are LLVM IR written here
 (Numba cannot express vector instructions), in one of two instruction sets (`INT_DOTS`): AVX-512 VNNI, or, on a
@@ -34,6 +39,12 @@ unsigned by 32 signed bytes and adds adjacent pairs into 16-bit sums, vpmaddwd b
 int32 lanes of 4 products each, the lanes of vpdpbusd. The 16-bit sums saturate past 32,767, so AVX2 takes the
 int8 weights as |w| against sign(w) * x (vpsignb: at most 2 x 128 x 127) instead of VNNI's w + 128; 4-bit values
 are at most 2 x 15 x 127. With neither (or NUMBA_DISABLE_JIT=1) the plain names are the reference bodies.
+The 4-bit dot comes in two contracts, one per instruction set. dot_q4 (VNNI) reads from memory as fast as the
+memory delivers, so its float step runs per lane. AVX2 has no one-instruction byte dot, and a 4-bit row there costs
+more arithmetic than reading it: dot_q4_blocks adds each block's 4 lanes in integers first (two shuffles and adds
+per four blocks), then scales one sum per block, and meets the nibbles' two products in 16 bits (at most
+2 x 2 x 15 x 127) before widening them, as llama.cpp's AVX2 kernels do (RESULTS.md, "The 4-bit dot product on
+AVX2"). `Q4_BY_BLOCKS` says which of the two the kernels call.
 `USE_INT_DOTS` is what the dispatch passes as `int_dots` to the kernels that call these; the environment variable
 TINYLLM_NO_VNNI=1 forces the reference bodies on any CPU. `USE_VNNI` says whether int8_tiles.py's integer tiles
 and kv_rows.py's VNNI rows may run (they have no AVX2 version).
@@ -61,6 +72,7 @@ INT_DOTS = "vnni" if HAVE_VNNI else "avx2" if HAVE_AVX2 else None      # the ins
 _FORCED_PLAIN = os.environ.get("TINYLLM_NO_VNNI", "") not in ("", "0")
 USE_INT_DOTS = INT_DOTS is not None and not _FORCED_PLAIN
 USE_VNNI = HAVE_VNNI and not _FORCED_PLAIN
+Q4_BY_BLOCKS = INT_DOTS == "avx2"   # the kernels' 4-bit dot with int dots on: dot_q4_blocks, else dot_q4
 # Rows are short (576 int8 or 288 packed bytes), so the hardware prefetcher keeps restarting: ask this far ahead
 # (8 KiB, some 14 int8 rows: the int8 kernels read from memory 1.2-1.3x faster than with 2 KiB; RESULTS.md).
 PREFETCH_BYTES = 8192
@@ -118,7 +130,23 @@ def dot_q4_reference(w, o, d, mins, xg, xs4, xsum4):
     return acc
 
 
-dot_int8, dot_int8_block, dot_q4 = dot_int8_reference, dot_int8_block_reference, dot_q4_reference
+@njit(**SERIAL)
+def dot_q4_blocks_reference(w, o, d, mins, xg, xs, xsum):
+    acc = np.float32(0.0)
+    for b in range(d.shape[1] - d.shape[1] % 2):                   # the even blocks (an odd last one: the caller's)
+        first, size = q4_group(b, d.shape[1])
+        low = BLOCK * first + 16 * (b - first)                     # where block b's values 0-15 sit in xg
+        high = low + 16 * size                                     # and its values 16-31
+        isum = np.int32(0)
+        for k in range(16):
+            byte = np.int32(w[o, 16 * b + k])                      # the block's 16 bytes
+            isum += (byte & 15) * np.int32(xg[low + k]) + (byte >> 4) * np.int32(xg[high + k])
+        acc += np.float32(isum) * (d[o, b] * xs[b]) + mins[o, b] * xsum[b]
+    return acc
+
+
+dot_int8, dot_int8_block = dot_int8_reference, dot_int8_block_reference
+dot_q4, dot_q4_blocks = dot_q4_reference, dot_q4_blocks_reference
 
 
 # --- the fast versions, in LLVM IR: VNNI or AVX2 ----------------------------------------------------------------
@@ -235,34 +263,56 @@ if INT_DOTS:
             return builder.load(result)
         return codegen
 
+    def _group_operands(builder, row, xg, first, size):
+        """A group of `size` 4-bit blocks from `first` on (16 bytes each) -> (their values 0-15, their values 16-31,
+        the input values those meet, and the ones these meet), each <16*size x i8>."""
+        nbytes = 16 * size
+        bytes_type = ir.VectorType(_i8, nbytes)
+        packed = _load(builder, row, builder.mul(first, ir.Constant(first.type, 16)), bytes_type)
+        x_off = builder.mul(first, ir.Constant(first.type, BLOCK))
+        return (builder.and_(packed, ir.Constant(bytes_type, [15] * nbytes)),            # low nibbles
+                builder.lshr(packed, ir.Constant(bytes_type, [4] * nbytes)),             # high nibbles
+                _load(builder, xg, x_off, bytes_type),
+                _load(builder, xg, builder.add(x_off, ir.Constant(first.type, nbytes)), bytes_type))
+
+    def _q4_rows(builder, a):
+        """Row o of a 4-bit weight (its packed bytes), its block count, and its rows of d and mins."""
+        o = a["o"]
+        row = builder.gep(a["w"].data, [builder.mul(o, builder.extract_value(a["w"].shape, 1))])
+        n_blocks = builder.extract_value(a["d"].shape, 1)
+        return (row, n_blocks, builder.gep(a["d"].data, [builder.mul(o, n_blocks)]),
+                builder.gep(a["mins"].data, [builder.mul(o, n_blocks)]))
+
+    def _fours_then_pair(builder, group, n_blocks, row, vector_type):
+        """A 4-bit row's total: group(first, 4) (a vector_type of terms) over its fours of blocks, then group(first,
+        2) over a last pair if two blocks remain (an odd last block is the caller's)."""
+        four = ir.Constant(n_blocks.type, 4)
+        n_fours = builder.udiv(n_blocks, four)
+        total = _row_sum(builder, n_fours, lambda i: group(builder.mul(i, four), 4), row, 64, vector_type)
+        result = cgutils.alloca_once_value(builder, total)
+        last_pair = builder.icmp_unsigned(">=", builder.urem(n_blocks, four), ir.Constant(n_blocks.type, 2))
+        with builder.if_then(last_pair):
+            pair = lane_total(builder, group(builder.mul(n_fours, four), 2))
+            builder.store(builder.fadd(builder.load(result), pair, flags=_FAST), result)
+        return builder.load(result)
+
     def _q4_dot_codegen(isa):
         """dot_q4: one 64-byte load is a group of four blocks' packed bytes; its low nibbles meet the group's first
         64 input values and its high nibbles the next 64, so four blocks cost one load, two masks and two steps of
-        integer sums (_quad_sums: 512-bit vpdpbusd, or AVX2's multiply-adds), whose lanes 4j..4j+3 then hold
-        block j's share; one shuffle spreads each block's d and min over its four lanes. A last pair of blocks is
-        the same in 256 bits."""
+        integer sums (_quad_sums' 512-bit vpdpbusd), whose lanes 4j..4j+3 then hold block j's share; one shuffle
+        spreads each block's d and min over its four lanes. A last pair of blocks is the same in 256 bits."""
         return lambda context, builder, signature, args: _q4_dot(context, builder, signature, args, isa)
 
     def _q4_dot(context, builder, signature, args, isa):
         a = _structs(context, builder, signature, args, "w o d mins xg xs4 xsum4")
-        o = a["o"]
-        row = builder.gep(a["w"].data, [builder.mul(o, builder.extract_value(a["w"].shape, 1))])
-        n_blocks = builder.extract_value(a["d"].shape, 1)
-        d_row = builder.gep(a["d"].data, [builder.mul(o, n_blocks)])
-        mins_row = builder.gep(a["mins"].data, [builder.mul(o, n_blocks)])
+        row, n_blocks, d_row, mins_row = _q4_rows(builder, a)
 
         def group(first, size):                     # blocks first .. first+size-1 -> <4*size x float> of terms
             c = lambda n: ir.Constant(first.type, n)                                   # noqa: E731
-            nbytes = 16 * size
-            bytes_type, lanes_type = ir.VectorType(_i8, nbytes), ir.VectorType(_f32, 4 * size)
-            packed = _load(builder, row, builder.mul(first, c(16)), bytes_type)        # size blocks x 16 bytes
-            low = builder.and_(packed, ir.Constant(bytes_type, [15] * nbytes))         # values 0-15 of each
-            high = builder.lshr(packed, ir.Constant(bytes_type, [4] * nbytes))         # values 16-31
-            x_off = builder.mul(first, c(BLOCK))
-            isum = _quad_sums(builder, ir.Constant(ir.VectorType(_i32, 4 * size), [0] * 4 * size), low,
-                              _load(builder, a["xg"].data, x_off, bytes_type), isa)
-            isum = _quad_sums(builder, isum, high, _load(builder, a["xg"].data, builder.add(x_off, c(nbytes)),
-                                                         bytes_type), isa)
+            low, high, x_low, x_high = _group_operands(builder, row, a["xg"].data, first, size)
+            lanes_type = ir.VectorType(_f32, 4 * size)
+            isum = _quad_sums(builder, ir.Constant(ir.VectorType(_i32, 4 * size), [0] * 4 * size), low, x_low, isa)
+            isum = _quad_sums(builder, isum, high, x_high, isa)
             four_each = ir.Constant(ir.VectorType(_i32, 4 * size), [j // 4 for j in range(4 * size)])
             both = lambda ptr: builder.shuffle_vector(                                  # noqa: E731
                 _load(builder, ptr, first, ir.VectorType(_f32, size)), ir.Constant(ir.VectorType(_f32, size),
@@ -272,15 +322,50 @@ if INT_DOTS:
             term = builder.fmul(builder.sitofp(isum, lanes_type), scale, flags=_FAST)
             return builder.fadd(term, builder.fmul(both(mins_row), _load(builder, a["xsum4"].data, lanes,
                                                                           lanes_type), flags=_FAST), flags=_FAST)
-        four = ir.Constant(n_blocks.type, 4)
-        n_fours = builder.udiv(n_blocks, four)
-        total = _row_sum(builder, n_fours, lambda i: group(builder.mul(i, four), 4), row, 64, _V16f32)
-        result = cgutils.alloca_once_value(builder, total)
-        last_pair = builder.icmp_unsigned(">=", builder.urem(n_blocks, four), ir.Constant(n_blocks.type, 2))
-        with builder.if_then(last_pair):
-            pair = lane_total(builder, group(builder.mul(n_fours, four), 2))
-            builder.store(builder.fadd(builder.load(result), pair, flags=_FAST), result)
-        return builder.load(result)
+        return _fours_then_pair(builder, group, n_blocks, row, _V16f32)
+
+    def _lanes(builder, a, b, indices):
+        """The lanes of a then b at `indices` (one shuffle)."""
+        return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_i32, len(indices)), list(indices)))
+
+    def _pair_sums(builder, a, b):
+        """The lanes of a then b with each adjacent pair added: <n x i32>, <n x i32> -> <n x i32>."""
+        n = 2 * a.type.count
+        return builder.add(_lanes(builder, a, b, range(0, n, 2)), _lanes(builder, a, b, range(1, n, 2)))
+
+    def _q4_blocks_dot(context, builder, signature, args):
+        """dot_q4_blocks in AVX2: per group of four blocks (64 packed bytes), the two nibbles' products meet in
+        16-bit sums (vpmaddubsw twice, one add), widen to 4 int32 lanes per block (vpmaddwd), and two rounds of
+        pair sums leave one integer per block in block order; then one multiply-add per block for d * xs and one
+        for min * xsum, in a <4 x float> of the four blocks. A last pair of blocks is the same in 2 lanes."""
+        a = _structs(context, builder, signature, args, "w o d mins xg xs xsum")
+        row, n_blocks, d_row, mins_row = _q4_rows(builder, a)
+        ones = ir.Constant(ir.VectorType(_i16, 16), [1] * 16)
+
+        def group(first, size):                     # blocks first .. first+size-1 -> <size x float> of terms
+            quads = []                              # per 32 bytes: <8 x i32>, 4 lanes for each of 2 blocks
+            for pieces in zip(*(_halves(builder, v) for v in _group_operands(builder, row, a["xg"].data, first,
+                                                                             size))):
+                low, high, x_low, x_high = pieces
+                pairs = builder.add(call(builder, "llvm.x86.avx2.pmadd.ub.sw", ir.VectorType(_i16, 16), low, x_low),
+                                    call(builder, "llvm.x86.avx2.pmadd.ub.sw", ir.VectorType(_i16, 16), high, x_high))
+                quads.append(call(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(_i32, 8), pairs, ones))
+            if size == 4:                           # [b0 b0 b1 b1 b2 b2 b3 b3] -> [b0 b1 b2 b3]
+                halves = _pair_sums(builder, *quads)
+                isum = _pair_sums(builder, _lanes(builder, halves, halves, range(4)),
+                                  _lanes(builder, halves, halves, range(4, 8)))
+            else:                                   # [b0 b0 b1 b1] -> [b0 b1]
+                halves = _pair_sums(builder, _lanes(builder, *quads, *quads, range(4)),
+                                    _lanes(builder, *quads, *quads, range(4, 8)))
+                isum = _pair_sums(builder, _lanes(builder, halves, halves, range(2)),
+                                  _lanes(builder, halves, halves, range(2, 4)))
+            per_block = ir.VectorType(_f32, size)
+            block = lambda ptr: _load(builder, ptr, first, per_block)                  # noqa: E731
+            scale = builder.fmul(block(d_row), block(a["xs"].data), flags=_FAST)
+            term = builder.fmul(builder.sitofp(isum, per_block), scale, flags=_FAST)
+            return builder.fadd(term, builder.fmul(block(mins_row), block(a["xsum"].data), flags=_FAST),
+                                flags=_FAST)
+        return _fours_then_pair(builder, group, n_blocks, row, ir.VectorType(_f32, 4))
 
     def _dots_in(isa):
         """(dot_int8, dot_int8_block, dot_q4) written in isa's instructions ("vnni" or "avx2")."""
@@ -295,8 +380,17 @@ if INT_DOTS:
         @intrinsic
         def dot_q4(typingctx, w, o, d, mins, xg, xs4, xsum4):
             return types.float32(w, o, d, mins, xg, xs4, xsum4), _q4_dot_codegen(isa)
-        return dot_int8, dot_int8_block, dot_q4
 
-    # each instruction set the host has, by name (the tests hold both to the reference bodies on a VNNI host)
+        @intrinsic
+        def dot_q4_blocks(typingctx, w, o, d, mins, xg, xs, xsum):
+            return types.float32(w, o, d, mins, xg, xs, xsum), _q4_blocks_dot
+        return dot_int8, dot_int8_block, dot_q4 if isa == "vnni" else dot_q4_blocks
+
+    # each instruction set the host has, by name: (dot_int8, dot_int8_block, its 4-bit dot); the tests hold both to
+    # the reference bodies on a VNNI host
     DOTS = {isa: _dots_in(isa) for isa, have in (("vnni", HAVE_VNNI), ("avx2", HAVE_AVX2)) if have}
-    dot_int8, dot_int8_block, dot_q4 = DOTS[INT_DOTS]
+    dot_int8, dot_int8_block, _four_bit = DOTS[INT_DOTS]
+    if Q4_BY_BLOCKS:
+        dot_q4_blocks = _four_bit
+    else:
+        dot_q4 = _four_bit

@@ -23,8 +23,8 @@ from numba.extending import overload
 from ..quant import BLOCK
 from .int8_tiles import PANEL_ROWS as INT8_PANEL_ROWS
 from .int8_tiles import TILE_COLS, int8_tile, pack_panel, pack_q4_panel
-from .intdot import (dot_int8, dot_int8_block, dot_int8_block_reference, dot_int8_reference, dot_q4,
-                     dot_q4_reference, q4_group)
+from .intdot import (Q4_BY_BLOCKS, dot_int8, dot_int8_block, dot_int8_block_reference, dot_int8_reference, dot_q4,
+                     dot_q4_blocks, dot_q4_reference, q4_group)
 from .numerics import EXACT_PER_VALUE, PARALLEL, SERIAL
 from .register_tiles import LANES, WIDE, product
 
@@ -527,16 +527,18 @@ def linear_integer_panels(w, x, out):
 
 
 @njit(**SERIAL)
-def _group_layout(xq, xs):
-    """What dot_q4 reads, per rounded input row (see intdot.py): xg [M, I] (the values of each group of blocks,
-    intdot.q4_group, reordered as the nibbles of the group's bytes; an odd last block as it is), xs4 and xsum4
-    [M, 4 * the even block count] (each lane's block scale, and the sum of the 8 values the lane multiplies, times
-    that scale)."""
+def _group_layout(xq, xs, per_lane):
+    """What the 4-bit dots read, per rounded input row (see intdot.py) -> (xg, scales, sums). xg [M, I]: the values
+    of each group of blocks (intdot.q4_group), reordered as the nibbles of the group's bytes (an odd last block as it
+    is). per_lane (dot_q4 and its reference body): scales and sums [M, 4 * the even block count], each lane's block
+    scale and the sum of the 8 values the lane multiplies, times that scale; else (dot_q4_blocks): xs itself and
+    [M, blocks] each block's sum times its scale."""
     M, nb = xs.shape
     n_even = nb - nb % 2
-    xg = xq.copy()                                          # [M, I]
-    xs4 = np.empty((M, 4 * n_even), np.float32)             # [M, 4 * blocks]
-    xsum4 = np.empty((M, 4 * n_even), np.float32)           # [M, 4 * blocks]
+    xg = xq.copy()                                                  # [M, I]
+    lanes = 4 if per_lane else 1
+    scales = np.empty((M, 4 * n_even), np.float32) if per_lane else xs   # [M, 4 * blocks] or [M, blocks]
+    sums = np.empty((M, lanes * n_even), np.float32)                # [M, 4 * blocks] or [M, blocks]
     for m in range(M):
         for b in range(n_even):
             first, size = q4_group(b, nb)
@@ -544,29 +546,40 @@ def _group_layout(xq, xs):
             for j in range(16):
                 xg[m, low + j] = xq[m, BLOCK * b + j]
                 xg[m, low + 16 * size + j] = xq[m, BLOCK * b + 16 + j]
-            for lane in range(4):
+            for lane in range(lanes):
                 s = 0
-                for j in range(4 * lane, 4 * lane + 4):
+                for j in range(4 * lane, 4 * lane + 16 // lanes):
                     s += np.int32(xq[m, BLOCK * b + j]) + np.int32(xq[m, BLOCK * b + 16 + j])
-                xs4[m, 4 * b + lane] = xs[m, b]
-                xsum4[m, 4 * b + lane] = np.float32(s) * xs[m, b]
-    return xg, xs4, xsum4
+                if per_lane:
+                    scales[m, 4 * b + lane] = xs[m, b]
+                sums[m, lanes * b + lane] = np.float32(s) * xs[m, b]
+    return xg, scales, sums
+
+
+@njit(fastmath=True, cache=True, inline="always")
+def q4_inputs(xq, xs, int_dots):
+    """The rounded input rows laid out for the 4-bit dot that int_dots selects (_group_layout)."""
+    return _group_layout(xq, xs, not (int_dots and Q4_BY_BLOCKS))
 
 
 @njit(**SERIAL)
-def q4_a8_task(w, xq, xs, xg, xs4, xsum4, out, o0, o1, int_dots):
-    """linear_q4_a8's task: out[:, o0:o1]. dot_q4 is called directly in the row loop, with each input row's views
-    taken once per task (through an inlined helper holding both dot_q4 and its reference body the loop ran
-    1.2-1.4x slower: RESULTS.md, "The 4-bit dot product called directly"); an odd last block is added after."""
+def q4_a8_task(w, xq, xs, xg, scales, sums, out, o0, o1, int_dots):
+    """linear_q4_a8's task: out[:, o0:o1], from q4_inputs' layout. The 4-bit dot is called directly in the row loop,
+    with each input row's views taken once per task (through an inlined helper holding both dot_q4 and its
+    reference body the loop ran 1.2-1.4x slower: RESULTS.md, "The 4-bit dot product called directly"); an odd last
+    block is added after."""
     packed, d, mins = w
     for m in range(xq.shape[0]):
-        g, s4, sum4 = xg[m], xs4[m], xsum4[m]
-        if int_dots:                           # two loops with a constant each, so that neither carries a branch
+        g, s, sm = xg[m], scales[m], sums[m]
+        if int_dots and Q4_BY_BLOCKS:          # loops with a constant each, so that none carries a branch
             for o in range(o0, o1):
-                out[m, o] = dot_q4(packed, o, d, mins, g, s4, sum4)
+                out[m, o] = dot_q4_blocks(packed, o, d, mins, g, s, sm)
+        elif int_dots:
+            for o in range(o0, o1):
+                out[m, o] = dot_q4(packed, o, d, mins, g, s, sm)
         else:
             for o in range(o0, o1):
-                out[m, o] = dot_q4_reference(packed, o, d, mins, g, s4, sum4)
+                out[m, o] = dot_q4_reference(packed, o, d, mins, g, s, sm)
     last = xs.shape[1] - 1
     if last % 2 == 0:                          # an odd block count: the last block, in integers
         for o in range(o0, o1):
@@ -584,7 +597,7 @@ def q4_a8_task(w, xq, xs, xg, xs4, xsum4, out, o0, o1, int_dots):
 def linear_q4_a8(w, x, out, int_dots):
     """w = (packed [O, I/2], d, mins [O, I/32]); x [M, I] is rounded to int8 blocks here -> out [M, O]."""
     xq, _, xs = quantize_rows(x)
-    xg, xs4, xsum4 = _group_layout(xq, xs)
+    xg, scales, sums = q4_inputs(xq, xs, int_dots)
     O = w[0].shape[0]
     for task in prange(n_tasks(O)):
-        q4_a8_task(w, xq, xs, xg, xs4, xsum4, out, task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK), int_dots)
+        q4_a8_task(w, xq, xs, xg, scales, sums, out, task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK), int_dots)
