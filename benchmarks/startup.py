@@ -8,8 +8,10 @@ bytecode cache on (PYTHONDONTWRITEBYTECODE is removed from the runs' environment
 converted model mapped from tinyllm's cache (tinyllm/converted.py; a folder of this run, filled by the first run),
 and converting the GGUF file on every load (TINYLLM_CONVERTED=off). --first-run also measures a fresh install's
 first run: an empty Numba cache directory (NUMBA_CACHE_DIR) and an empty converted-model cache, so every kernel
-the format needs is compiled, as the stderr line "kernels compiled in X s" reports. Writes the table into
-RESULTS.md ("Startup").
+the format needs is compiled, as the stderr line "kernels compiled in X s" reports. The floor: the same
+measurements of a process that only imports numpy and Numba and calls one cached parallel Numba function (FLOOR
+below), what any program with Numba's compiled kernels pays before its own work. Writes the table into RESULTS.md
+("Startup").
 """
 from __future__ import annotations
 
@@ -32,6 +34,36 @@ from report import machine_info, machine_line, replace_section  # noqa: E402
 
 COMMAND = [sys.executable, str(ROOT / "scripts" / "generate.py"), "--prompt", "Hi", "--max-new-tokens", "1",
            "--json"]
+
+
+FLOOR = '''
+import numpy as np
+from numba import njit, prange
+
+@njit(cache=True, parallel=True)
+def total(a):
+    s = 0.0
+    for i in prange(a.shape[0]):
+        s += a[i]
+    return s
+
+total(np.ones(10))
+'''
+
+
+def floor_once(scratch: str) -> tuple:
+    """One process of FLOOR (its own Numba cache in scratch) -> (wall seconds, peak MiB)."""
+    script = Path(scratch) / "numba_floor.py"
+    if not script.exists():
+        script.write_text(FLOOR)
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(Path(scratch) / "numba-floor-cache"))
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, str(script)], env=env)
+    _, status, rusage = os.wait4(proc.pid, 0)
+    if status:
+        raise SystemExit(f"startup.py: the floor's process failed (status {status})")
+    return time.perf_counter() - t0, rusage.ru_maxrss / 1024
 
 
 def run_once(quant: str, env: dict) -> dict:
@@ -69,11 +101,13 @@ def main(argv=None) -> int:
     cases = {"mapped": env, "converting": dict(env, TINYLLM_CONVERTED="off")}
     for quant in args.quant:                                        # fill both caches, and the page cache
         run_once(quant, env)
-    walls = {(q, case): [] for q in args.quant for case in cases}
+    floor_once(scratch)                                             # fills the floor's cache
+    walls, floor = {(q, case): [] for q in args.quant for case in cases}, []
     for _ in range(args.runs):
         for quant in args.quant:
             for case, case_env in cases.items():
                 walls[quant, case].append(run_once(quant, case_env)["wall_s"])
+        floor.append(floor_once(scratch))
     rows = []
     for quant in args.quant:
         info = run_once(quant, env)
@@ -91,6 +125,7 @@ def main(argv=None) -> int:
         rows.append(row)
         print(row, flush=True)
     shutil.rmtree(scratch, ignore_errors=True)
+    floor_walls = sorted(wall for wall, _ in floor)
     lines = ["## Startup: one token from a cold process", "",
              f"Measured {time.strftime('%Y-%m-%d')}, {machine_line(machine_info())}: `python benchmarks/startup.py "
              f"{' '.join(sys.argv[1:] if argv is None else argv)}`. Each run is a whole process of "
@@ -110,6 +145,9 @@ def main(argv=None) -> int:
         if args.first_run:
             line += f" {r['first_run_s']:.1f} s | {r['compile_s']} s |"
         lines.append(line)
+    lines += ["", f"The floor (numpy and Numba imported, one cached parallel Numba function called, in a process of "
+              f"its own, taking turns with the runs above): exit after {floor_walls[len(floor_walls) // 2]:.2f} s "
+              f"({', '.join(f'{w:.2f}' for w in floor_walls)}), peak {max(peak for _, peak in floor):.0f} MiB."]
     text = "\n".join(lines)
     print(text)
     if not args.no_write:
