@@ -39,12 +39,12 @@ unsigned by 32 signed bytes and adds adjacent pairs into 16-bit sums, vpmaddwd b
 int32 lanes of 4 products each, the lanes of vpdpbusd. The 16-bit sums saturate past 32,767, so AVX2 takes the
 int8 weights as |w| against sign(w) * x (vpsignb: at most 2 x 128 x 127) instead of VNNI's w + 128; 4-bit values
 are at most 2 x 15 x 127. With neither (or NUMBA_DISABLE_JIT=1) the plain names are the reference bodies.
-The 4-bit dot comes in two contracts, one per instruction set. dot_q4 (VNNI) reads from memory as fast as the
-memory delivers, so its float step runs per lane. AVX2 has no one-instruction byte dot, and a 4-bit row there costs
-more arithmetic than reading it: dot_q4_blocks adds each block's 4 lanes in integers first (two shuffles and adds
-per four blocks), then scales one sum per block, and meets the nibbles' two products in 16 bits (at most
-2 x 2 x 15 x 127) before widening them, as llama.cpp's AVX2 kernels do (RESULTS.md, "The 4-bit dot product on
-AVX2"). `Q4_BY_BLOCKS` says which of the two the kernels call.
+The 4-bit dot comes in two contracts, one per instruction set. dot_q4 (VNNI) sums 64 bytes per vpdpbusd and
+scales per lane. AVX2 needs two instructions for what vpdpbusd does in one, and there a 4-bit row cost more
+arithmetic than reading it, so dot_q4_blocks meets the nibbles' two products in 16 bits (at most 2 x 2 x 15 x 127)
+before widening them, as llama.cpp's AVX2 kernels do, adds each block's 4 lanes in integers (two shuffles and adds
+per four blocks), and scales one sum per block (RESULTS.md, "A CPU without AVX-512"). `Q4_BY_BLOCKS` says which
+of the two the kernels call.
 `USE_INT_DOTS` is what the dispatch passes as `int_dots` to the kernels that call these; the environment variable
 TINYLLM_NO_VNNI=1 forces the reference bodies on any CPU. `USE_VNNI` says whether int8_tiles.py's integer tiles
 and kv_rows.py's VNNI rows may run (they have no AVX2 version).
