@@ -27,6 +27,7 @@ os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "1")   # before numpy loads Ope
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tinyllm  # noqa: E402
+import numba  # noqa: E402
 import numpy as np  # noqa: E402
 
 from report import machine_info, machine_line, replace_section  # noqa: E402
@@ -48,21 +49,22 @@ def median_time(fn, repeats: int) -> float:
     return float(np.median(times))
 
 
+@numba.njit(parallel=True, fastmath=True)
+def row_sums(a, out):
+    """The streaming read: each row of a [rows, 1024] float32 array summed into out, the rows split between the
+    threads (step_timeline.py reads a step's bytes with it too)."""
+    for r in numba.prange(a.shape[0]):
+        s = np.float32(0.0)
+        for j in range(a.shape[1]):
+            s += a[r, j]
+        out[r] = s
+
+
 def read_bandwidth(threads: int, repeats: int = 9, mib: int = 1024) -> float:
     """GB/s of a streaming read: Numba sums each 4 KiB row of a `mib` MiB float32 array (1 GiB: far larger than
     any cache), rows split across threads.
     The best of `repeats` runs: a roof is what the machine can do, and on a shared machine the median is
     pulled down by whoever else is running."""
-    import numba
-
-    @numba.njit(parallel=True, fastmath=True)
-    def row_sums(a, out):
-        for r in numba.prange(a.shape[0]):
-            s = np.float32(0.0)
-            for j in range(a.shape[1]):
-                s += a[r, j]
-            out[r] = s
-
     a = np.ones((mib * 256, 1024), dtype=np.float32)                # [rows, 1024]: mib MiB
     out = np.empty(a.shape[0], dtype=np.float32)
     numba.set_num_threads(threads)

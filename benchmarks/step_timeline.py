@@ -39,7 +39,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
-from numba import njit, prange  # noqa: E402
+from numba import njit  # noqa: E402
 from numba.typed import List  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -48,7 +48,7 @@ sys.path.insert(0, str(HERE))
 
 import tinyllm  # noqa: E402
 from report import machine_info, machine_line, replace_section  # noqa: E402
-from roofline import decode_bytes, read_bandwidth  # noqa: E402
+from roofline import decode_bytes, read_bandwidth, row_sums  # noqa: E402
 from tinyllm.kernels import block, intdot  # noqa: E402
 from tinyllm.kernels.attention_kernels import decode_attention  # noqa: E402
 from tinyllm.kernels.dispatch import linear_into  # noqa: E402
@@ -86,21 +86,10 @@ def _sequence_loop(int8_inputs: bool):
 SEQUENCES = {False: _sequence_loop(False), True: _sequence_loop(True)}
 
 
-@njit(parallel=True, fastmath=True, nogil=True)
-def _sum_rows(a, out):
-    """roofline.py's streaming read on one array: each row of a [rows, 1024] summed, the rows split between the
-    threads."""
-    for r in prange(a.shape[0]):
-        s = np.float32(0.0)
-        for j in range(a.shape[1]):
-            s += a[r, j]
-        out[r] = s
-
-
 @njit(nogil=True)
 def _read_all(chunks, out):
-    for a in chunks:
-        _sum_rows(a, out)
+    for a in chunks:                            # roofline.py's streaming read, a parallel region per array
+        row_sums(a, out)
 
 
 def plain_read_chunks(arrays_in_order) -> tuple:
