@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tinyllm  # noqa: E402
 import numpy as np  # noqa: E402
 
-from report import machine_info, machine_line, replace_section  # noqa: E402
+from report import machine_info, machine_line, render, write_json  # noqa: E402
 from tinyllm.engine import Engine  # noqa: E402
 from tinyllm.paged import PagedKVCache, parse_bytes  # noqa: E402
 from roofline import decode_bytes, decode_flops, read_bandwidth, sgemm_gflops  # noqa: E402
@@ -184,19 +184,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds per policy (best reported)")
     ap.add_argument("--threads", type=int, default=None, help="threads for BLAS and Numba (default: all cores)")
-    ap.add_argument("--render", action="store_true", help="rewrite the RESULTS.md section from batching.json")
+    ap.add_argument("--render", action="store_true", help="regenerate RESULTS.md from the JSON files (report.py)")
     args = ap.parse_args(argv)
-    if args.render:                                               # same measurements, text regenerated
-        res = json.loads((HERE / "batching.json").read_text())
-        res["sweep"] = {int(b): r for b, r in res["sweep"].items()}
-        for w in res["poisson"].values():
-            w["by_slots"] = {int(k): v for k, v in w["by_slots"].items()}
-        res["waste"]["by_block"] = {int(k): v for k, v in res["waste"]["by_block"].items()}
-        res["roof_step_ms"] = {int(k): v for k, v in res["roof_step_ms"].items()}
-        if "kv_batch_limit_by_dtype" not in res:                  # arithmetic, not a measurement: added on render
-            config = tinyllm.load(backend="numpy").config           # (SmolLM2's shapes: no kernels needed)
-            res["kv_batch_limit_by_dtype"] = kv_limits(config, res["kv_memory"], res["context"])
-        replace_section("batching", markdown(res))
+    if args.render:                                               # the page regenerated from the JSON files
+        render()
         return 0
     if args.threads is not None:
         tinyllm.set_threads(args.threads)
@@ -289,9 +280,7 @@ def main(argv=None) -> int:
     if q:                                                         # smoke test: show the section, write nothing
         print(markdown(res))
         return 0
-    (HERE / "batching.json").write_text(json.dumps(res, indent=1, default=str))
-    replace_section("batching", markdown(res))
-    print("wrote benchmarks/RESULTS.md (section batching), batching.json", flush=True)
+    write_json("batching", res)
     return 0
 
 

@@ -12,7 +12,8 @@ Each is encoded three ways:
   2 KB docs    the text cut into 2,000-character documents, one encode() call each (prompt-sized inputs).
 Cold means an empty word cache (tinyllm's, and HF's BPE cache); warm means encoding the same text again.
 Speeds are MB/s of UTF-8 input (1 MB = 10^6 bytes), best of --repeats. ratio = tinyllm / tokenizers.
-Both must produce the same ids: the script checks that before it reports anything.
+Both must produce the same ids: the script checks that before it reports anything. On the default model the
+figures are saved as benchmarks/tokenizer.<cpu kind>.json and RESULTS.md regenerated (report.py; --no-write: not).
 """
 from __future__ import annotations
 
@@ -103,6 +104,7 @@ def main() -> None:
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--model", default=None, help="GGUF file (default: the default model)")
     which.add_argument("--vocab", default=None, help="a vocab of llama.cpp's tokenizer suite, e.g. falcon")
+    parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
 
     import tokenizers
@@ -138,6 +140,7 @@ def main() -> None:
              f"{'tokenizers cold':>15} {'warm':>7} | {'ratio cold':>10} {'warm':>6}"
     print(header)
     print("-" * len(header))
+    rows = []
     for name, text in [("docs+code", docs_and_code(n_bytes)), ("multilingual", multilingual(n_bytes))]:
         mb = len(text.encode("utf-8")) / 1e6
         docs = [text[i:i + 2000] for i in range(0, len(text), 2000)]
@@ -156,6 +159,14 @@ def main() -> None:
                       mb / best_time(run_theirs, args.repeats)]
             print(f"{name:<14}{how:<13}{mb:>6.2f} | {speeds[0]:>12.2f} {speeds[1]:>7.2f} | {speeds[2]:>15.2f} "
                   f"{speeds[3]:>7.2f} | {speeds[0] / speeds[2]:>10.2f} {speeds[1] / speeds[3]:>6.2f}")
+            rows.append(dict(text=name, calls=how, mb=mb, tinyllm_cold=speeds[0], tinyllm_warm=speeds[1],
+                             tokenizers_cold=speeds[2], tokenizers_warm=speeds[3]))
+    if not (args.no_write or args.vocab or args.model):
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from report import write_json
+        write_json("tokenizer", dict(rows=rows, repeats=args.repeats, vocab=model.name,
+                                     tokenizers=tokenizers.__version__),
+                   command=" ".join(["python benchmarks/bench_tokenizer.py"] + sys.argv[1:]))
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ threadpoolctl.threadpool_limits (BLAS/OpenMP) and numba.set_num_threads. One war
 runs alternating between the engines; medians (and min-max) are printed, with the 1-minute load average
 (the machine is shared: compare figures only from quiet runs). The prompt is the first tokens of the long
 story prompt in the reference fixtures.
-Needs the `reference` extra (torch, transformers, gguf, accelerate). `--write` also puts the table into the
-"vs-transformers" section of benchmarks/RESULTS.md.
+Needs the `reference` extra (torch, transformers, gguf, accelerate). `--write` also saves the figures as
+benchmarks/vs_transformers.<cpu kind>.json and regenerates RESULTS.md (report.py).
 """
 from __future__ import annotations
 
@@ -166,12 +166,16 @@ def main() -> None:
     print("\n".join(out))
     if args.write:
         sys.path.insert(0, str(REPO / "benchmarks"))
-        from report import replace_section
+        from report import write_json
 
         cmd = "python benchmarks/bench_vs_transformers.py " + " ".join(sys.argv[1:])
-        replace_section("vs-transformers", "## tinyllm vs Hugging Face transformers (fp32, same threads)\n\n"
-                        f"Measured {time.strftime('%Y-%m-%d %H:%M')} with `{cmd.strip()}`:\n\n```\n"
-                        + "\n".join(out).strip() + "\n```")
+        engines = [dict(engine=name, **{k: r[k] for k in ("prefill", "prefill_range", "decode", "decode_range",
+                                                          "itl_ms")})
+                   for name, r in (("tinyllm (fp32, numba)", res_tiny), ("transformers (torch fp32)", res_hf))]
+        write_json("vs_transformers", dict(
+            engines=engines, threads=args.threads, runs=args.runs, prompt_tokens=len(ids), new_tokens=args.new_tokens,
+            torch=torch.__version__, transformers=transformers.__version__, same_tokens=same,
+            total_tokens=len(res_tiny["tokens"]), load_avg=[load_before, os.getloadavg()[0]]), command=cmd.strip())
 
 
 if __name__ == "__main__":

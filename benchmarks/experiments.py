@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -26,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 import tinyllm  # noqa: E402
-from report import machine_info, machine_line, replace_section  # noqa: E402
+from report import machine_info, machine_line, write_json  # noqa: E402
 from tinyllm import capacity  # noqa: E402
 from tinyllm.engine import Engine  # noqa: E402
 from tinyllm.sampling import SamplingParams, sample  # noqa: E402
@@ -198,9 +197,8 @@ def main(argv=None) -> None:
     text = report(res)
     print(text)
     if not args.no_write:
-        (HERE / "experiments.json").write_text(json.dumps(res, indent=1))
         plot(res, HERE / "experiments.png")
-        replace_section("experiments", text)
+        write_json("experiments", res, command=" ".join(["python benchmarks/experiments.py"] + (argv or sys.argv[1:])))
 
 
 if __name__ == "__main__":

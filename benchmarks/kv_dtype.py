@@ -34,7 +34,7 @@ import tinyllm  # noqa: E402
 from tinyllm import kv_cache  # noqa: E402
 
 from quality import compare  # noqa: E402
-from report import machine_info, machine_line, replace_section  # noqa: E402
+from report import machine_info, machine_line, write_json  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 CHUNK = 512                       # tokens per evaluated sequence (llama.cpp's perplexity default)
@@ -154,7 +154,7 @@ def speed(model, contexts, rounds: int, steps: int) -> tuple[dict, dict]:
                 for layer in range(steps):                          # a different layer's K/V each call
                     k, v = c.k[layer % len(model.layers), :S + 1], c.v[layer % len(model.layers), :S + 1]
                     t0 = time.perf_counter()
-                    model.ops.attention(q, k, v, S)
+                    model.compute.ops_for(1).attention(q, k, v, S)
                     attention.setdefault((S, d), []).append(time.perf_counter() - t0)
         del caches
     return ({key: float(np.median(t)) for key, t in times.items()},
@@ -185,6 +185,21 @@ def speed_section(runs: list, command: str) -> str:
     return "\n".join(lines)
 
 
+def speed_rows(runs: list) -> list[dict]:
+    """The speed table's figures as JSON rows (see speed_section)."""
+    rows = []
+    for model, res, attention in runs:
+        a8 = "+a8" if model.activations == "int8" else ""
+        for (S, d), t in res.items():
+            kv_bytes = S * model.config.kv_bytes_per_token(d)
+            f32_bytes = S * model.config.kv_bytes_per_token("float32")
+            rows.append(dict(weights=f"{model.quant}{a8}", weight_mb=model.weight_bytes / 1e6, context=S, kv_format=d,
+                             kv_mb=kv_bytes / 1e6, tok_s=1 / t, vs_float32=res[S, "float32"] / t,
+                             limit=(model.weight_bytes + f32_bytes) / (model.weight_bytes + kv_bytes),
+                             attention_us=attention[S, d] * 1e6))
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quality", action="store_true", help="KLD of each format against the float32 cache")
@@ -213,7 +228,10 @@ def main() -> None:
         section = quality_section(rows, len(ids), command, time.time() - t0, greedy)
         print(section)
         if write:
-            replace_section("kv-dtype-quality", section)
+            write_json("kv_quality", dict(
+                rows=[dict(path=mode, kv_format=label, **r) for (mode, label), r in rows.items()],
+                greedy=[dict(kv_format=label, tokens=n_new, same=same, prompts=total, first_difference=first)
+                        for label, (n_new, same, total, first) in greedy.items()]), command=command)
     if args.speed:
         contexts, rounds, steps = ((64, 256), 1, 3) if args.quick else (CONTEXTS, args.rounds, 10)
         runs = []
@@ -225,7 +243,7 @@ def main() -> None:
         section = speed_section(runs, command)
         print(section)
         if write:
-            replace_section("kv-dtype-speed", section)
+            write_json("kv_speed", dict(rows=speed_rows(runs)), command=command)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ client that eats a core distorts what it measures.
 `report`: the benchmark of the issue. (1) A request-rate sweep through one server: throughput and p95 TTFT / ITL
 as the rate rises, to find the knee where queueing dominates. (2) Static against continuous scheduling on the
 same workload (two servers, --policy). (3) Server overhead: decode tok/s of one stream through HTTP against
-tinyllm.generate in the same process (target >= 0.9x). Writes benchmarks/serving.json, serving.png and the
-"serving" section of RESULTS.md. Needs the serve extra and httpx; matplotlib for the plot.
+tinyllm.generate in the same process (target >= 0.9x). Writes benchmarks/serving.<cpu kind>.json and serving.png,
+and regenerates RESULTS.md (report.py). Needs the serve extra and httpx; matplotlib for the plot.
 """
 from __future__ import annotations
 
@@ -277,7 +277,7 @@ def plot(sweep: list[dict], path: Path) -> bool:
 
 
 def report(args) -> None:
-    from report import machine_info, machine_line, replace_section
+    from report import machine_info, write_json
     server_args = (["--model", args.model] if args.model else []) + args.server_arg
     common = dict(num_requests=args.num_requests, max_concurrency=args.max_concurrency,
                   prompt_len=args.prompt_len, output_len=args.output_len, seed=args.seed)
@@ -300,48 +300,15 @@ def report(args) -> None:
     print(f"overhead: HTTP {np.median(o['http_tok_s']):.1f} tok/s vs generate {np.median(o['generate_tok_s']):.1f} "
           f"tok/s = {o['ratio']:.2f}x (target >= 0.9x); the Engine in-process {np.median(o['engine_tok_s']):.1f} "
           f"tok/s (HTTP / Engine = {o['ratio_to_engine']:.2f}x)", flush=True)
-    out = Path(args.out) if args.out else HERE / "serving.json"
-    out.write_text(json.dumps(res, indent=1))
-    png = out.with_suffix(".png")
+    if args.out:                                                  # a file of its own; RESULTS.md untouched
+        out = Path(args.out)
+        out.write_text(json.dumps(res, indent=1))
+        png = out.with_suffix(".png")
+    else:
+        out = write_json("serving", res, command=" ".join(["python benchmarks/load.py"] + sys.argv[1:]))
+        png = HERE / "serving.png"
     drew = plot(res["sweep"], png)
     print(f"wrote {out}" + (f" and {png}" if drew else ""))
-    if args.quick:
-        return
-    ms = 1e3
-    rows = "\n".join(f"| {s['rate']:g} | {s['completed']}/{s['requests']} | {s['output_throughput']:.1f} | "
-                     f"{s['ttft_s']['p50'] * ms:.0f} / {s['ttft_s']['p95'] * ms:.0f} | {s['itl_s']['p50'] * ms:.1f} / "
-                     f"{s['itl_s']['p95'] * ms:.1f} | {s['tpot_s']['p50'] * ms:.1f} | {s['e2e_s']['p95']:.2f} | "
-                     f"{s['client_cpu_share']:.0%} |" for s in res["sweep"])
-    pol = "\n".join(f"| {p} | {s['output_throughput']:.1f} | {s['ttft_s']['p95'] * ms:.0f} | "
-                    f"{s['itl_s']['p95'] * ms:.1f} | {s['e2e_s']['p95']:.2f} |" for p, s in res["policies"].items())
-    body = f"""## Serving over HTTP: request-rate sweep, static vs continuous, server overhead
-
-`python benchmarks/load.py report` on {machine_line(res['machine'])}.
-Server: `scripts/serve.py {' '.join(server_args)}`;
-workload: {args.num_requests} requests per point, Poisson arrivals, prompts {args.prompt_len[0]}..{args.prompt_len[1]}
-tokens of real text, outputs {args.output_len[0]}..{args.output_len[1]} tokens (ignore_eos), greedy, at most
-{args.max_concurrency} in flight; the client shares the machine's cores (its CPU share is in the last column).
-
-| rate (req/s) | ok | out tok/s | TTFT p50 / p95 (ms) | ITL p50 / p95 (ms) | TPOT p50 (ms) | e2e p95 (s) | client CPU |
-| --- | --- | --- | --- | --- | --- | --- | --- |
-{rows}
-
-![rate sweep](serving.png)
-
-Static against continuous scheduling, the same workload at {args.policy_rate:g} req/s:
-
-| policy | out tok/s | TTFT p95 (ms) | ITL p95 (ms) | e2e p95 (s) |
-| --- | --- | --- | --- | --- |
-{pol}
-
-Server overhead, one greedy stream of {o['tokens']} tokens, median of {o['rounds']} rounds: decode
-{np.median(o['http_tok_s']):.1f} tok/s through HTTP against {np.median(o['generate_tok_s']):.1f} tok/s for
-`tinyllm.generate` in-process = **{o['ratio']:.2f}x** (target >= 0.9x). The Engine alone in-process (paged cache,
-batched step, no HTTP): {np.median(o['engine_tok_s']):.1f} tok/s, so HTTP and the engine thread cost
-{o['ratio_to_engine']:.2f}x of the Engine's own rate.
-"""
-    replace_section("serving", body)
-    print("wrote the serving section of benchmarks/RESULTS.md")
 
 
 def main(argv=None) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import sys
 import time
@@ -28,7 +27,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import tinyllm  # noqa: E402
-from report import machine_info, machine_line, replace_section  # noqa: E402
+from report import machine_info, machine_line, write_json  # noqa: E402
 
 
 _LIBC = ctypes.CDLL("libc.so.6")
@@ -123,10 +122,9 @@ def main(argv=None) -> int:
     text = "\n".join(lines)
     print(text)
     if not args.no_write:
-        (HERE / "long_prompts.json").write_text(json.dumps(rows, indent=1))
-        if plot(rows, HERE / "long_prompts.png"):
-            text += "\n\n![TTFT and peak memory against prompt length](long_prompts.png)"
-        replace_section("long-prompts", text)
+        plot(rows, HERE / "long_prompts.png")
+        write_json("long_prompts", dict(rows=rows, threads=args.threads), command=" ".join(
+            ["python benchmarks/long_prompts.py"] + (sys.argv[1:] if argv is None else argv)))
     return 0
 
 

@@ -30,7 +30,7 @@ import tinyllm  # noqa: E402
 import numpy as np  # noqa: E402
 from tinyllm.quant import quantize  # noqa: E402
 
-from report import machine_info, machine_line, replace_section  # noqa: E402
+from report import machine_info, machine_line, write_json  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 # label -> tinyllm.load keywords. q4_1 keeps its output head (the tied embedding) at int8-block by default;
@@ -150,8 +150,9 @@ def main() -> None:
     section = "\n".join(lines)
     print(section)
     if not args.no_write:
-        replace_section("quality", section)
-        (HERE / "quality.json").write_text(json.dumps(rows, indent=1))
+        threads = os.environ.get("NUMBA_NUM_THREADS")
+        write_json("quality", rows, command=" ".join([f"NUMBA_NUM_THREADS={threads}"] * bool(threads)
+                                                     + ["python benchmarks/quality.py"] + sys.argv[1:]))
 
 
 if __name__ == "__main__":

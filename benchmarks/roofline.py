@@ -16,7 +16,6 @@ Formats are measured in interleaved rounds and reported as medians, because a sh
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -30,7 +29,7 @@ import tinyllm  # noqa: E402
 import numba  # noqa: E402
 import numpy as np  # noqa: E402
 
-from report import machine_info, machine_line, replace_section  # noqa: E402
+from report import machine_info, machine_line, render, write_json  # noqa: E402
 from tinyllm import capacity  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -148,12 +147,9 @@ def step_breakdown(model, S: int, steps: int, rng) -> dict:
     """Where a batch-1 decode step's time goes: ms per step inside each function of the model's ops (linear,
     attention, ...), and "outside" = the rest: Python, numpy glue between the calls, the cache update. Each op
     call is timed by a thin wrapper, which adds about a microsecond per call to "outside"."""
-    real_ops, inside = model.ops, {}
+    real_ops, inside = model.compute.ops_for(1), {}
 
-    class Timed:                                                    # model.ops, with a stopwatch around each call
-        def for_rows(self, n_rows):                                 # a decode step: the kernels, timed
-            return self
-
+    class Timed:                                                    # a decode step's ops, with a stopwatch each
         def __getattr__(self, name):
             f = getattr(real_ops, name)
             if not callable(f):
@@ -169,7 +165,7 @@ def step_breakdown(model, S: int, steps: int, rng) -> dict:
     cache = filled_cache(model, S, rng)
     model.decode_step(1, cache)
     cache.truncate(S)
-    model.ops, model.fused_decode = Timed(), False                 # op by op, so that each op can be timed
+    model.compute.ops_for, model.fused_decode = lambda n_rows: Timed(), False   # op by op, each op timed
     try:
         t0 = time.perf_counter()
         for i in range(steps):
@@ -177,7 +173,8 @@ def step_breakdown(model, S: int, steps: int, rng) -> dict:
             cache.truncate(S)
         total = (time.perf_counter() - t0) / steps
     finally:
-        model.ops, model.fused_decode = real_ops, True
+        del model.compute.ops_for                                  # (the instance attribute: back to the method)
+        model.fused_decode = True
     out = {name: t / steps * 1e3 for name, t in sorted(inside.items(), key=lambda kv: -kv[1])}
     out["outside"] = total * 1e3 - sum(out.values())
     out["total"] = total * 1e3
@@ -188,7 +185,7 @@ def step_breakdown(model, S: int, steps: int, rng) -> dict:
 def fixed_step_ms(model, S: int, steps: int, fused: bool = True) -> float:
     """ms of a decode step of a model with the same code path and number of layers but tiny matrices (dim 64):
     what a step costs besides arithmetic and memory traffic (Python, the calls, starting the parallel kernels).
-    fused=False: with each block run op by op from Python instead of as one kernels.decode_block call."""
+    fused=False: with each block run op by op from Python instead of as one kernels.decode_blocks call per layer."""
     import dataclasses
 
     from tinyllm.model import Transformer
@@ -337,7 +334,7 @@ def markdown(res: dict, args) -> str:
         out += [f"Where a decode step's time goes (batch 1, context {args.context}, ms per step). The step runs op "
                 "by op from Python here, each call of the model's ops timed; `outside` = everything between them: "
                 "Python, numpy glue, the cache update. `fused`: the same step as it normally runs, each block one "
-                "compiled call (kernels.decode_block), so most of `outside` disappears:",
+                "compiled call (kernels.decode_blocks), so most of `outside` disappears:",
                 "", "| format | " + " | ".join(names) + " | outside | total op by op | outside share | fused |",
                 "|---|" + "---|" * (len(names) + 4)]
         for fmt, r in bd.items():
@@ -446,7 +443,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="fewer points (smoke test; do not publish)")
     p.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md and the plots alone")
-    p.add_argument("--render", action="store_true", help="rewrite the RESULTS.md section from roofline.json")
+    p.add_argument("--render", action="store_true", help="regenerate RESULTS.md from the JSON files (report.py)")
     args = p.parse_args()
     args.contexts = [0, 256, 512, 1024, 2048]
     args.batches = [1, 2, 4, 8, 16, 32, 64]
@@ -454,20 +451,15 @@ def main() -> None:
     if args.quick:
         args.steps, args.rounds, args.contexts, args.batches = 6, 1, [0, 512], [1, 4]
         args.batch_formats = ["fp32"]
-    if args.render:                                               # same measurements, text regenerated
-        res = json.loads((HERE / "roofline.json").read_text())
-        res["bandwidth_gbs"] = {int(k): v for k, v in res["bandwidth_gbs"].items()}
-        res["threads"] = int(res["threads"])
-        for fmt in res["context"]:
-            res["context"][fmt] = {int(k): v for k, v in res["context"][fmt].items()}
-        replace_section("roofline", markdown(res, args).replace(BEGIN, "").replace(END, ""))
+    if args.render:                                               # the page regenerated from the JSON files
+        render()
         return
     res = run(args)
     section = markdown(res, args)
     print(section)
     if not args.no_write:
-        (HERE / "roofline.json").write_text(json.dumps(res, indent=1, default=str))
-        replace_section("roofline", section.replace(BEGIN, "").replace(END, ""))
+        res.update(context_tokens=args.context, prompt_tokens=args.prompt)
+        write_json("roofline", res)
         plots(res)
 
 

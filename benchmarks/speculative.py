@@ -13,7 +13,7 @@ repetitions (the machine is shared and its memory bandwidth drifts, so runs minu
 `measure`). The min-max of the paired ratios and the best-of-runs ratio show the spread.
 "expected" is Leviathan et al.'s (1 - alpha^(k+1)) / ((1 - alpha)(k*c + 1)) with alpha and c measured in the same
 run; "verify/plain" is the cost of one (k+1)-token target pass over one plain decode step, which the formula
-assumes is 1. `--write` puts the tables into the "speculative" section of benchmarks/RESULTS.md.
+assumes is 1. `--write` saves the figures as benchmarks/speculative.<cpu kind>.json and regenerates RESULTS.md.
 """
 from __future__ import annotations
 
@@ -253,7 +253,7 @@ def main(argv=None) -> int:
     main_draft = float(np.median([r["stats"].cost_ratio * r["verify_over_plain"] for (t, s), r in main_rows.items()
                                 if s in ("self-q4", "self-int8")]))
 
-    from report import machine_info, machine_line, replace_section
+    from report import machine_info, machine_line, write_json
     cmd = "python benchmarks/speculative.py " + " ".join(argv if argv is not None else sys.argv[1:])
     body = "\n".join([
         "## Speculative decoding (fp32 target, greedy)",
@@ -322,7 +322,17 @@ def main(argv=None) -> int:
     ])
     print("\n" + body)
     if args.write:
-        replace_section("speculative", body)
+        def figures(task, src, k, r):
+            st = r["stats"]
+            return dict(task=task, draft=src, k=k, alpha=st.alpha, accepted_hist=list(st.accepted_hist),
+                        tokens_per_target_pass=st.tokens_per_target_step, cost_ratio=st.cost_ratio,
+                        verify_over_plain=r["verify_over_plain"], expected=st.expected_speedup,
+                        speedup=r["speedup"], speedup_range=list(r["speedup_range"]), spec_tps=r["spec_tps"],
+                        plain_tps=r["plain_tps"], ttft_ms=r["ttft_ms"], plain_ttft_ms=r["plain_ttft_ms"])
+        write_json("speculative", dict(
+            threads=args.threads or os.cpu_count(), new_tokens=args.new_tokens, runs=args.runs, pass_ms=pass_ms,
+            rows=[figures(t, s, K_MAIN, r) for (t, s), r in main_rows.items()],
+            sweep=[figures(t, s, k, r) for (t, s, k), r in sweep_rows.items()]), command=cmd.strip())
     return 0
 
 

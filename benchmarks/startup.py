@@ -10,8 +10,8 @@ and converting the GGUF file on every load (TINYLLM_CONVERTED=off). --first-run 
 first run: an empty Numba cache directory (NUMBA_CACHE_DIR) and an empty converted-model cache, so every kernel
 the format needs is compiled, as the stderr line "kernels compiled in X s" reports. The floor: the same
 measurements of a process that only imports numpy and Numba and calls one cached parallel Numba function (FLOOR
-below), what any program with Numba's compiled kernels pays before its own work. Writes the table into RESULTS.md
-("Startup").
+below), what any program with Numba's compiled kernels pays before its own work. Saves
+benchmarks/startup.<cpu kind>.json and regenerates RESULTS.md (report.py).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from report import machine_info, machine_line, replace_section  # noqa: E402
+from report import machine_info, machine_line, write_json  # noqa: E402
 
 COMMAND = [sys.executable, str(ROOT / "scripts" / "generate.py"), "--prompt", "Hi", "--max-new-tokens", "1",
            "--json"]
@@ -151,7 +151,9 @@ def main(argv=None) -> int:
     text = "\n".join(lines)
     print(text)
     if not args.no_write:
-        replace_section("startup", text)
+        write_json("startup", dict(rows=rows, runs=args.runs, floor=dict(
+            wall_s=floor_walls[len(floor_walls) // 2], runs=floor_walls, peak_mib=max(peak for _, peak in floor))),
+            command=f"python benchmarks/startup.py {' '.join(sys.argv[1:] if argv is None else argv)}".strip())
     return 0
 
 

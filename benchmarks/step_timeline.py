@@ -25,7 +25,7 @@ bytes a kernel reads (weights; K/V for attention) over its share. `of bandwidth`
 count) over its time, against the read bandwidth measured in this run (roofline.py's method, best of 5 after
 each round). `of plain read`: the plain read's time over the step's (scaled by their bytes), per round, the two
 timed back to back: the distance to reading alone, under the same state of a shared machine. The formats take
-turns round by round; medians over the rounds. Writes the table into RESULTS.md ("Decode step timeline").
+turns round by round; medians over the rounds. Saves benchmarks/step_timeline.<cpu kind>.json (report.py).
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import tinyllm  # noqa: E402
-from report import machine_info, machine_line, replace_section  # noqa: E402
+from report import write_json  # noqa: E402
 from roofline import decode_bytes, read_bandwidth, row_sums  # noqa: E402
 from tinyllm.kernels import block, intdot  # noqa: E402
 from tinyllm.kernels.attention_kernels import decode_attention  # noqa: E402
@@ -111,7 +111,7 @@ class Timeline:
         self.fmt, self.S, self.steps = fmt, context, steps
         self.model = m = tinyllm.load(quant=None if quant == "fp32" else quant,
                                       activations="int8" if a8 else "float32")
-        c, self.a8 = m.config, m._int8_inputs
+        c, self.a8 = m.config, m.int8_inputs
         self.cache = m.new_cache(context + 2)
         if context:
             m.prefill(np.random.default_rng(0).integers(0, 1000, context), self.cache)
@@ -125,7 +125,7 @@ class Timeline:
             S = context + 1
             attention_layers.append((k[:S], None if ks is None else ks[:S], v[:S], None if vs is None else vs[:S]))
         self.block_args = (weights, caches, context, cos, sin, c.n_heads, c.norm_eps, self.a8)   # as
-        w0 = m.layers[0]                                                # model._fused_decode_blocks passes them
+        w0 = m.layers[0]                                                # backend.NumbaBackend.decode_blocks passes them
 
         def rows(n):
             return rng.standard_normal((1, n)).astype(np.float32)                      # [1, n]
@@ -212,6 +212,23 @@ def table(results: dict, timelines: dict, bandwidth: float) -> str:
     return "\n".join(lines + ([""] + verdicts if verdicts else []))
 
 
+def json_rows(results: dict, timelines: dict, bandwidth: float) -> list[dict]:
+    """The table's figures (see table) as JSON rows: seconds as ms, each kernel's ms and GB/s."""
+    rows = []
+    for (fmt, context), runs in results.items():
+        med = {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
+        t = timelines[fmt, context]
+        step_gbs = t.step_bytes / med["step"] / 1e9
+        rows.append(dict(format=fmt, context=context, step_ms=med["step"] * 1e3,
+                         outside_ms=(med["step"] - med["blocks"] - med["head"]) * 1e3,
+                         blocks_ms=med["blocks"] * 1e3, glue_ms=(med["blocks"] - med["layer kernels"]) * 1e3,
+                         kernels_ms=med["kernels"] * 1e3, kernel_ms={k: med[k] * 1e3 for k in KERNELS},
+                         kernel_gbs={k: t.bytes[k] / med[k] / 1e9 for k in KERNELS}, step_gbs=step_gbs,
+                         of_bandwidth=step_gbs / bandwidth, plain_read_gbs=t.read_bytes / med["plain read"] / 1e9,
+                         of_plain_read=of_plain_read(t, runs)))
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--formats", nargs="+", default=["fp32", "int8+a8", "int8-block+a8", "native+a8"])
@@ -234,15 +251,10 @@ def main(argv=None) -> int:
     body = table(results, timelines, bandwidth)
     print(body)
     if not args.no_write:
-        replace_section("step-timeline", (
-            "## Decode step timeline: where a step's time goes\n\n"
-            f"Measured {time.strftime('%Y-%m-%d %H:%M')} with `python benchmarks/step_timeline.py "
-            f"--contexts {' '.join(map(str, args.contexts))} --rounds {args.rounds}` on "
-            f"{machine_line(machine_info())}; {args.threads} threads. Batch 1; milliseconds per step (the median "
-            "over the rounds), "
-            "each kernel's GB/s in brackets; read bandwidth in this run "
-            f"{', '.join(f'{b:.1f}' for b in bandwidths)} GB/s (median {bandwidth:.1f}). The columns: "
-            "benchmarks/step_timeline.py's docstring.\n\n" + body))
+        write_json("step_timeline", dict(rows=json_rows(results, timelines, bandwidth), rounds=args.rounds,
+                                         threads=args.threads, bandwidth_gbs=bandwidth, bandwidth_samples=bandwidths),
+                   command=" ".join(["python benchmarks/step_timeline.py"]
+                                    + (sys.argv[1:] if argv is None else argv)))
     return 0
 
 

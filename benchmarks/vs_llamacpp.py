@@ -16,8 +16,7 @@ random tokens), tg64@d2048 (64 decode steps after 2,048 cached tokens); with --l
 of 1 / 8 / 32 sequences of 128 prompt tokens, 64 steps each (llama-batched-bench's S_TG). Both sides use the same
 thread count (--threads, default 2) and alternate round by round; reported: the median tokens/s of each side and
 their ratio. llama.cpp keeps its default float16 KV cache; tinyllm uses float32 unless --kv-dtype says otherwise.
---write puts the table into benchmarks/RESULTS.md (replacing an earlier run's) and the raw
-figures into benchmarks/vs_llamacpp.json.
+--write saves the figures as benchmarks/vs_llamacpp.<cpu kind>.json and regenerates RESULTS.md (report.py).
 """
 from __future__ import annotations
 
@@ -42,7 +41,7 @@ from tinyllm import hub  # noqa: E402
 from tinyllm.paged import PagedKVCache  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from report import machine_info, machine_line, replace_section  # noqa: E402
+from report import machine_info, machine_line, write_json  # noqa: E402
 
 # llama.cpp file type -> the tinyllm settings compared with it: (label, quant, activations)
 PAIRS = {"F32": [("fp32", None, "float32")],
@@ -180,8 +179,7 @@ def main(argv=None) -> int:
     table = markdown(results, meta)
     print(table)
     if args.write:
-        replace_section("vs-llamacpp", table)
-        (ROOT / "benchmarks" / "vs_llamacpp.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+        write_json("vs_llamacpp", dict(meta=meta, results=results), command=meta["command"])
     return 0
 
 
