@@ -128,7 +128,11 @@ def machine_of(data) -> str | None:
     return machine_line(m) if isinstance(m, dict) else m
 
 
-def command_of(data, default: str) -> str:
+def command_of(data, default) -> str:
+    """The command a file records, else `default` (a string, or a function of the data for files that record
+    only their settings)."""
+    if callable(default):
+        return default(data)
     if isinstance(data, dict):
         cmd = data.get("command") or data.get("meta", {}).get("command")
         if cmd:
@@ -164,7 +168,7 @@ def per_kind(name: str, command: str, render_one) -> list[str]:
     """A section's body: the command, then its tables; with files of several CPU kinds, side by side."""
     entries = load(name)
     if not entries:
-        return not_measured(command)
+        return not_measured(command if isinstance(command, str) else command({}))
     bodies = [[f"`{command_of(data, command)}`", ""] + render_one(data) for _, data in entries]
     return bodies[0] if len(bodies) == 1 else side_by_side([kind for kind, _ in entries], bodies)
 
@@ -385,8 +389,18 @@ def batching_section() -> list[str]:
     return (["## Batching and serving", ""]
             + per_kind("roofline", "python benchmarks/roofline.py", batch) + ["", "### Static and continuous batching", ""]
             + per_kind("batching", "python benchmarks/batching.py", policies) + ["", "### Over HTTP", ""]
-            + per_kind("serving", "python benchmarks/load.py report", serving)
+            + per_kind("serving", serving_command, serving)
             + ["", "![rate sweep](serving.png)"])
+
+
+def serving_command(r) -> str:
+    if not r.get("settings"):
+        return "python benchmarks/load.py report"
+    if r.get("command"):
+        return command_of(r, "")
+    s = r["settings"]
+    return " ".join(["python benchmarks/load.py report", f"--num-requests {s['num_requests']}"]
+                    + [f"--server-arg={a}" for a in s["server_args"]])
 
 
 def experiments_section() -> list[str]:
@@ -556,7 +570,9 @@ def machines() -> list[str]:
             seen.setdefault(kind, set()).add(line or "the machine not recorded in the file")
     out = []
     for kind, lines in seen.items():
-        out.append(f"- {kind}: " + "; ".join(sorted(lines)))
+        note = (" (files written before the scripts recorded the CPU's instruction set; a new run records it)"
+                if kind == UNRECORDED else "")
+        out.append(f"- {kind}{note}: " + "; ".join(sorted(lines)))
     return out
 
 
