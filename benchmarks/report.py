@@ -585,7 +585,7 @@ def results_page() -> str:
            "command, then `python benchmarks/report.py`. The machines: shared 2-core VMs whose speed drifts by "
            "tens of percent from minute to minute, so the scripts interleave what they compare and report "
            "medians; compare ratios within a table, not absolute figures across tables. Where files of more than "
-           "one kind of CPU exist, a cell holds each kind's figure (the kinds named in the table's first column).",
+           "one kind of CPU exist, a cell holds each kind's figure, in the order the table's first column names them (one figure where they agree).",
            ""] + machines() + [""]
     for section in SECTIONS:
         out += section() + [""]

@@ -5,7 +5,7 @@ How a page under docs/ is kept executable:
 - A ```bash block is followed by the ```text block it printed. The command runs from the repository root; every
   line of the shown output, with its numbers masked, must be a line of the real output (stdout and stderr
   together), masked the same way. A line "..." marks an elided part.
-- A page's ```python blocks run in order as one program (a later block sees an earlier block's names) in a fresh
+- A page's ```python blocks (and the README's) run in order as one program (a later block sees an earlier block's names) in a fresh
   interpreter from the repository root. A ```text block right after one shows lines the program prints, checked as
   above.
 - `<!-- no-test: why -->` on the line before a block leaves it out: a server that runs until stopped, a download or
@@ -36,7 +36,7 @@ def blocks(doc: Path) -> list[dict]:
 
 
 def name(doc: Path) -> str:
-    return "-".join(doc.relative_to(REPO / "docs").with_suffix("").parts)
+    return "-".join(doc.relative_to(REPO / "docs").with_suffix("").parts) if doc.parent != REPO else doc.stem
 
 
 def marks(code: str) -> list:
@@ -51,7 +51,7 @@ def commands():
 
 
 def programs():
-    for doc in DOCS:
+    for doc in DOCS + [REPO / "README.md"]:
         runnable = [b for b in blocks(doc) if b["lang"] == "python" and not b["skip"]]
         if runnable:
             program = "\n".join(b["body"] for b in runnable)
