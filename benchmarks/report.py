@@ -248,9 +248,10 @@ def decode_section() -> list[str]:
         out += table(["format"] + [f"S={c}" for c in contexts],
                      [[f] + [n(v[c], 1) for c in contexts] for f, v in ctx.items()])
         t = r["threads_sweep"]
-        out += ["", "Decode tok/s with 1 and 2 threads (context 256):", ""]
-        out += table(["threads"] + list(t["1"]), [[k] + [n(x, 1) for x in v.values()] for k, v in t.items()])
-        out += ["", f"The fixed cost of a step, paid whatever the format (the same code path over {r['n_layers']} "
+        counts = list(t)
+        out += ["", f"Decode tok/s with {' / '.join(counts)} threads (context 256): "
+                + ", ".join(f"{f} " + " / ".join(n(t[c][f], 1) for c in counts) for f in t[counts[0]])
+                + f". The fixed cost of a step, paid whatever the format (the same code path over {r['n_layers']} "
                 f"layers of dim-64 matrices): {r['fixed_step_ms']:.2f} ms."]
         return out
     return (["## How fast is decode, per weight format, against the memory roof", ""]
