@@ -609,14 +609,14 @@ def readme_llamacpp() -> list[str]:
     entries = load("vs_llamacpp")
     if not entries:
         return not_measured("python benchmarks/vs_llamacpp.py --llama-bench PATH --write")
-    _, r = entries[0]
+    kind, r = entries[0]
     rows = []
     for file, settings in r["results"].items():
         for setting, tests in settings.items():
             ratio = {t: v[1] / v[0] for t, v in tests.items()}
             rows.append([f"{file} / {setting}", f"{ratio['tg64']:.2f}x", f"{ratio['pp512']:.2f}x",
                          f"{ratio['batch 32']:.2f}x" if "batch 32" in ratio else "-"])
-    return (["tinyllm's speed over llama.cpp's on the same file and threads (above 1: tinyllm faster):", ""]
+    return ([f"tinyllm's speed over llama.cpp's on the same file and threads (above 1: tinyllm faster; {kind}):", ""]
             + table(["llama.cpp file / tinyllm setting", "decode (tg64)", "prefill (pp512)", "batch 32"], rows))
 
 
