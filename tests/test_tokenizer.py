@@ -18,7 +18,8 @@ from tinyllm.bpe_train import train_bpe
 from tinyllm.gguf import GGUFFile
 from tinyllm.tokenizer import (DEEPSEEK_CODER_FUSED, DEEPSEEK_CODER_STAGES, DEEPSEEK_LLM_FUSED, DEEPSEEK_LLM_STAGES,
                                FALCON_FUSED, FALCON_STAGES, GPT2_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN, QWEN35_PATTERN, SMOLLM_PATTERN, StreamDecoder, Tokenizer,
-                               bpe, byte_level_alphabet, merge_pair, split_in_stages)
+                               bpe, merge_pair, split_in_stages)
+from tinyllm.vocab_files import byte_level_alphabet
 
 ALL_PATTERNS = [GPT2_PATTERN, SMOLLM_PATTERN, LLAMA3_PATTERN, QWEN2_PATTERN, QWEN35_PATTERN]
 ALL_STAGES = [FALCON_STAGES, DEEPSEEK_CODER_STAGES, DEEPSEEK_LLM_STAGES]

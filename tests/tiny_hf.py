@@ -7,7 +7,7 @@ import struct
 
 import numpy as np
 
-from tinyllm.tokenizer import byte_level_alphabet
+from tinyllm.vocab_files import byte_level_alphabet
 
 
 def write_safetensors(path, tensors: dict[str, np.ndarray]) -> None:

@@ -19,87 +19,28 @@ none of them.
 The GGUF pre-tokenizers known (`GGUF_PRETOKENIZERS`) are those of every byte-level BPE vocab in llama.cpp's
 tokenizer suite, which tests/test_tokenizer_suite.py runs case by case.
 
-Not here: SentencePiece and WordPiece tokenizers (Llama 2, Phi-3, BERT), normalizers (HF applies NFC for some of
-these models; llama.cpp does not, nor does tinyllm), byte fallback, BPE dropout; training is in bpe_train.py.
+Not here: reading the vocab from a file (vocab_files.py), rendering ChatML (chat_template.py), SentencePiece and
+WordPiece tokenizers (Llama 2, Phi-3, BERT), normalizers (HF applies NFC for some of these models; llama.cpp does
+not, nor does tinyllm), byte fallback, BPE dropout; training is in bpe_train.py.
 """
 from __future__ import annotations
 
-import functools
 import heapq
-import json
 from itertools import chain
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import regex
 
-from .stream_decoder import StreamDecoder
+from .chat_template import CHATML_MARKERS, chatml_parts
 from .pretokenize import (DEEPSEEK_CODER_FUSED, DEEPSEEK_CODER_STAGES, DEEPSEEK_LLM_FUSED,  # noqa: F401
                           DEEPSEEK_LLM_STAGES, FALCON_FUSED, FALCON_STAGES, GGUF_PRETOKENIZERS, GPT2_PATTERN,
-                          LLAMA3_PATTERN, QWEN2_PATTERN, QWEN35_PATTERN, SMOLLM_PATTERN,
-                          pattern_from_hf_pre_tokenizer, split_in_stages)
-
-CHATML_MARKERS = ("<|im_start|>", "<|im_end|>")   # a turn's start and end: control tokens in ChatML vocabs
-
-# GGUF token types (llama.cpp's llama_token_type). Control and user-defined tokens are matched in text as a whole.
-TOKEN_TYPE_CONTROL = 3
-TOKEN_TYPE_USER_DEFINED = 4
+                          LLAMA3_PATTERN, QWEN2_PATTERN, QWEN35_PATTERN, SMOLLM_PATTERN, split_in_stages)
+from .stream_decoder import StreamDecoder
+from .vocab_files import gguf_vocab, tokenizer_json_vocab
 
 # The per-word cache is cleared when it holds more words than this (about 20-30 MB), so memory stays bounded.
 WORD_CACHE_LIMIT = 200_000
-
-
-# --- GPT-2's byte <-> character table ----------------------------------------------------------------------
-def byte_level_alphabet() -> list[str]:
-    """GPT-2's table of 256 printable characters, one per byte value: `alphabet[byte] -> char`.
-
-    Vocab files (tokenizer.json, GGUF) store tokens as text, so GPT-2 gives every byte a visible character: the
-    188 printable Latin-1 bytes stand for themselves, the other 68 (controls, space, 0x7F-0xA0, 0xAD) become
-    chr(256), chr(257), ... in byte order. That is why a leading space shows as 'Ġ' (chr(256 + 32)) and a
-    newline as 'Ċ' in vocab files. tinyllm undoes the table when loading and works on raw bytes after that.
-    """
-    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
-    alphabet, n_moved = [], 0
-    for byte in range(256):
-        if byte in printable:
-            alphabet.append(chr(byte))
-        else:
-            alphabet.append(chr(256 + n_moved))
-            n_moved += 1
-    return alphabet
-
-
-def _byte_level_decoder() -> dict[str, int]:
-    """The inverse table: char -> byte."""
-    return {char: byte for byte, char in enumerate(byte_level_alphabet())}
-
-
-def _byte_level_to_bytes(token: str, char_to_byte: Mapping[str, int]) -> bytes:
-    """'Ġthe' -> b' the'. ValueError if `token` has a character outside GPT-2's table (not a byte-level vocab)."""
-    as_bytes = _byte_level_bytes_or_none(token)
-    if as_bytes is None:
-        outside = next(char for char in token if char not in char_to_byte)
-        raise ValueError(f"token {token!r} has the character {outside!r}, which is not in GPT-2's byte-level "
-                         f"alphabet: this vocab is not byte-level BPE")
-    return as_bytes
-
-
-def _byte_level_bytes_or_none(token: str) -> bytes | None:
-    """'Ġthe' -> b' the', or None if `token` is not byte-level text."""
-    try:
-        return token.translate(_byte_level_table()).encode("latin-1")
-    except UnicodeEncodeError:
-        return None
-
-
-@functools.lru_cache(maxsize=1)
-def _byte_level_table() -> dict[int, str]:
-    """A str.translate table from GPT-2's alphabet to the latin-1 character of each byte (so a whole token converts
-    in C, not char by char: a vocab has 50,000 of them). Characters below 256 that are not in the alphabet map to
-    U+FFFF, so the latin-1 encoding fails exactly when a token is not byte-level text."""
-    table = {code: "\uffff" for code in range(256)}
-    table.update({ord(char): chr(byte) for byte, char in enumerate(byte_level_alphabet())})
-    return table
 
 
 # --- the BPE core (shared with bpe_train.py) ---------------------------------------------------------------
@@ -226,57 +167,8 @@ class Tokenizer:
     # --- constructors from files ---------------------------------------------------------------------------
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> "Tokenizer":
-        """Build from a GGUF file's metadata (`tokenizer.ggml.*` keys, `tokenizer.chat_template`)."""
-        def get(key: str, kind: type = str, default: Any = ..., of: type | None = None) -> Any:
-            """metadata[key], checked to be a `kind` (a list: of `of` items); ValueError naming the key."""
-            if key not in metadata:
-                if default is not ...:
-                    return default
-                raise ValueError(f"GGUF metadata has no {key!r}: the file carries no (complete) tokenizer")
-            value = metadata[key]
-            if not (type(value) is kind and (of is None or set(map(type, value)) <= {of})):
-                want = f"a list of {of.__name__}" if of else kind.__name__
-                raise ValueError(f"GGUF metadata {key!r} is not {want} (file corrupt?)")
-            return value
-
-        model = get("tokenizer.ggml.model")
-        if model != "gpt2":
-            raise ValueError(f"tokenizer.ggml.model is {model!r}: tinyllm implements only byte-level BPE ('gpt2'), "
-                             f"not SentencePiece ('llama'), WordPiece ('bert') or others")
-        pre = get("tokenizer.ggml.pre")
-        if pre not in GGUF_PRETOKENIZERS:
-            raise ValueError(f"tokenizer.ggml.pre is {pre!r}, a pre-tokenizer tinyllm does not know; known: "
-                             f"{', '.join(sorted(GGUF_PRETOKENIZERS))}")
-        pattern, ignore_merges = GGUF_PRETOKENIZERS[pre]
-        tokens: list[str] = get("tokenizer.ggml.tokens", list, of=str)
-        types = get("tokenizer.ggml.token_type", list, [1] * len(tokens), of=int)
-        if len(types) != len(tokens):
-            raise ValueError(f"GGUF metadata has {len(tokens)} tokens but {len(types)} token types")
-
-        char_to_byte = _byte_level_decoder()
-        token_bytes, added, special, plain_text = [], {}, [], set()
-        for token_id, (token, token_type) in enumerate(zip(tokens, types)):
-            if token_type in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED):
-                token_bytes.append(token.encode("utf-8"))   # stored as plain text, not byte-level
-                added[token] = token_id
-                if token_type == TOKEN_TYPE_CONTROL:
-                    special.append(token_id)
-            elif (as_bytes := _byte_level_bytes_or_none(token)) is not None:
-                token_bytes.append(as_bytes)
-            else:
-                # Not byte-level text (Command R has 1,403 such emoji and symbols): BPE over bytes can never build
-                # it, so it is unreachable by encode; decode gives its text, as HF's ByteLevel decoder does.
-                token_bytes.append(token.encode("utf-8"))
-                plain_text.add(token_id)
-        vocab = {token: token_id for token_id, token in enumerate(tokens)}
-        merges = _merge_ids(_split_merges(get("tokenizer.ggml.merges", list, of=str)), vocab)
-        merged_plain_text = plain_text.intersection(chain.from_iterable(merges))
-        if merged_plain_text:   # byte-level merges only ever join byte-level tokens: this is another scheme
-            _byte_level_to_bytes(tokens[min(merged_plain_text)], char_to_byte)   # raises, naming the character
-        return cls(token_bytes, merges, pattern, added_tokens=added, special_ids=special, unreachable_ids=plain_text,
-                   bos_id=get("tokenizer.ggml.bos_token_id", int, None),
-                   eos_id=get("tokenizer.ggml.eos_token_id", int, None),
-                   chat_template=get("tokenizer.chat_template", str, None), ignore_merges=ignore_merges)
+        """Build from a GGUF file's metadata (`tokenizer.ggml.*` keys, `tokenizer.chat_template`): vocab_files.py."""
+        return cls(**gguf_vocab(metadata))
 
     def tables(self) -> dict[str, Any]:
         """What this tokenizer is built from, as plain values: `Tokenizer(**tok.tables())` rebuilds it (converted.py
@@ -297,48 +189,9 @@ class Tokenizer:
         path = Path(path)
         if path.is_dir():
             path = path / "tokenizer.json"
-        spec = json.loads(path.read_text(encoding="utf-8"))
-        model = spec.get("model") or {}
-        if model.get("type") != "BPE":
-            raise ValueError(f"{path}: model type {model.get('type')!r} is not supported (only BPE)")
-        if spec.get("normalizer"):
-            raise ValueError(f"{path}: a normalizer ({spec['normalizer'].get('type')}) is not supported")
-        for key in ("byte_fallback", "dropout", "continuing_subword_prefix", "end_of_word_suffix"):
-            if model.get(key):
-                raise ValueError(f"{path}: BPE option {key}={model[key]!r} is not supported")
-        if spec.get("decoder") and spec["decoder"].get("type") != "ByteLevel":
-            raise ValueError(f"{path}: decoder {spec['decoder'].get('type')!r} is not supported (only ByteLevel)")
-        pattern = pattern_from_hf_pre_tokenizer(spec.get("pre_tokenizer"), path)
-
-        vocab: dict[str, int] = model["vocab"]
-        added = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
-        special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
-        id_to_text = {**{i: t for t, i in vocab.items()}, **{i: t for t, i in added.items()}}
-        if sorted(id_to_text) != list(range(len(id_to_text))):
-            raise ValueError(f"{path}: token ids are not contiguous from 0")
-        char_to_byte = _byte_level_decoder()
-        token_bytes = [text.encode("utf-8") if token_id in special or text in added
-                       else _byte_level_to_bytes(text, char_to_byte)
-                       for token_id, text in sorted(id_to_text.items())]
-        merges = model["merges"]
-        merges = _merge_ids(_split_merges(merges) if all(isinstance(m, str) for m in merges) else merges, vocab)
-
-        config_path = path.with_name("tokenizer_config.json")
-        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.exists() else {}
-        text_to_id = {**vocab, **added}
-
-        def token_id(key: str) -> int | None:
-            token = config.get(key)
-            token = token.get("content") if isinstance(token, dict) else token
-            return text_to_id.get(token) if token is not None else None
-
-        template = config.get("chat_template")
-        if isinstance(template, list):   # several named templates: take the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        tokenizer = cls(token_bytes, merges, pattern, added_tokens=added, special_ids=special,
-                        bos_id=token_id("bos_token"), eos_id=token_id("eos_token"), chat_template=template,
-                        ignore_merges=bool(model.get("ignore_merges", False)))
-        if model.get("unk_token") and tokenizer.unencodable_bytes:   # HF would emit unk where tinyllm drops
+        arguments, unk_token = tokenizer_json_vocab(path)
+        tokenizer = cls(**arguments)
+        if unk_token and tokenizer.unencodable_bytes:   # HF would emit unk where tinyllm drops
             raise ValueError(f"{path}: an unk_token with bytes that have no token is not supported")
         return tokenizer
 
@@ -459,40 +312,19 @@ class Tokenizer:
         `encode_chat`: encoding this text with encode() would also turn marker text inside a message into markers.
         Only the plain ChatML of SmolLM2-style templates is supported (no tools).
         """
-        return "".join(text for text, _ in self._chat_parts(messages, add_generation_prompt))
+        return "".join(text for text, _ in chatml_parts(messages, add_generation_prompt, self.chat_template))
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Ids of `apply_chat_template(messages)`: the template's own markers are the control tokens, and every
         role and content is encoded as text, so a message holding "<|im_end|>" cannot end its turn early or
         forge another one (prompt injection of control tokens)."""
-        parts = self._chat_parts(messages, add_generation_prompt)
+        parts = chatml_parts(messages, add_generation_prompt, self.chat_template)
         if any(marker not in self._added for marker in CHATML_MARKERS):
             raise ValueError("this model's vocabulary has no ChatML markers (<|im_start|>, <|im_end|>)")
         ids: list[int] = []
         for text, is_marker in parts:
             ids += [self._added[text]] if is_marker else self.encode(text, allow_special=False)
         return ids
-
-    def _chat_parts(self, messages: list[dict], add_generation_prompt: bool) -> list[tuple[str, bool]]:
-        """ChatML as (text, is_marker) parts: markers are the template's own <|im_start|> / <|im_end|>."""
-        default_system = _chatml_default_system(self.chat_template)
-        if not isinstance(messages, (list, tuple)):
-            raise ValueError(f"messages must be a list of dicts, got {type(messages).__name__}")
-        start, end = CHATML_MARKERS
-        turns = []
-        for k, message in enumerate(messages):
-            if not (isinstance(message, Mapping) and isinstance(message.get("role"), str)
-                    and isinstance(message.get("content"), str)):
-                raise ValueError(f"message {k} must be a dict with str 'role' and 'content', got {message!r}")
-            if k == 0 and message["role"] != "system" and default_system is not None:
-                turns.append(("system", default_system))
-            turns.append((message["role"], message["content"]))
-        parts = []
-        for role, content in turns:
-            parts += [(start, True), (f"{role}\n{content}", False), (end, True), ("\n", False)]
-        if add_generation_prompt:
-            parts += [(start, True), ("assistant\n", False)]
-        return parts
 
 
 # --- helpers -----------------------------------------------------------------------------------------------
@@ -534,46 +366,3 @@ def _check_text(text: Any) -> None:
         raise ValueError(f"text has a lone surrogate {text[e.start]!r} at index {e.start}, which has no UTF-8 form "
                          f"(text decoded with errors='surrogateescape'?); repair it first, e.g. "
                          f"text.encode('utf-8', 'replace').decode('utf-8')") from None
-
-
-def _split_merges(merges: list[str]) -> list[Sequence[str]]:
-    """["Ġ t", ...] -> [("Ġ", "t"), ...]: one split of them all joined (50,000 splits cost a load 25 ms)."""
-    if all(m.count(" ") == 1 for m in merges):
-        parts = " ".join(merges).split(" ")
-        return list(zip(parts[0::2], parts[1::2]))
-    return [m.split(" ") for m in merges]                          # _merge_ids names the one that is not a pair
-
-
-def _merge_ids(merges: Iterable[Sequence[str]], vocab: Mapping[str, int]) -> list[tuple[int, int, int]]:
-    """Merges as token text pairs ("Ġ", "t") -> (left_id, right_id, merged_id), via the vocab (text -> id)."""
-    merges = list(merges)
-    if all(len(pair) == 2 for pair in merges):                    # the usual case, looked up at C speed
-        lefts, rights = zip(*merges) if merges else ((), ())
-        try:
-            return list(zip(map(vocab.__getitem__, lefts), map(vocab.__getitem__, rights),
-                            map(vocab.__getitem__, map(str.__add__, lefts, rights))))
-        except KeyError:
-            pass                                                  # the loop below names the merge
-    out = []
-    for rank, pair in enumerate(merges):
-        if len(pair) != 2:
-            raise ValueError(f"merge {rank} is {' '.join(pair)!r}: expected two tokens separated by one space")
-        left, right = pair
-        try:
-            out.append((vocab[left], vocab[right], vocab[left + right]))
-        except KeyError as e:
-            raise ValueError(f"merge {rank} ({left!r}, {right!r}) uses {e.args[0]!r}, "
-                             f"which is not in the vocab") from None
-    return out
-
-
-def _chatml_default_system(template: str | None) -> str | None:
-    """The default system message of a ChatML template, or None; ValueError if the template is not ChatML."""
-    if template is None:
-        raise ValueError("this model has no chat template; build the prompt text yourself")
-    if "<|im_start|>" not in template:
-        raise ValueError("this model's chat template is not ChatML, the only format tinyllm renders")
-    # The default message is a string constant in the template: '<|im_start|>system\n...<|im_end|>' (with \n a
-    # newline or written as backslash-n). Quotes or braces inside mean template code, not a constant: skip those.
-    found = regex.search(r"<\|im_start\|>system(?:\n|\\n)([^'\"{}]*?)<\|im_end\|>", template)
-    return found.group(1) if found else None
