@@ -6,6 +6,7 @@ import pytest
 
 import tinyllm
 from tinyllm import kernels, ops, quant
+from tinyllm.backend import NumpyOps
 from tinyllm.kernels import intdot, linear_kernels as lin
 
 RNG = np.random.default_rng(0)
@@ -19,7 +20,7 @@ def test_linear_matches_numpy(fmt, M, O, I):
     x = RNG.normal(0, 1, (M, I)).astype(np.float32)
     qw = w if fmt == "fp32" else quant.quantize(w, fmt)
     b = RNG.normal(size=O).astype(np.float32)
-    want = ops.linear(x, qw, b)                                       # numpy: dequantize, then matmul
+    want = NumpyOps.linear(x, qw, b)                                       # numpy: dequantize, then matmul
     got = kernels.linear(x, qw, b)
     np.testing.assert_allclose(got, want, atol=2e-5 * np.sqrt(I), rtol=1e-5)
 
@@ -36,7 +37,7 @@ def test_linear_panels_matches_numpy(fmt, M, O, I):
     qw = w if fmt == "fp32" else quant.quantize(w, fmt)
     got = np.full((M, O), np.nan, dtype=np.float32)
     lin.linear_panels(lin.weight_arrays(qw), x, got)
-    np.testing.assert_allclose(got, ops.linear(x, qw), atol=2e-5 * np.sqrt(I), rtol=1e-5)
+    np.testing.assert_allclose(got, NumpyOps.linear(x, qw), atol=2e-5 * np.sqrt(I), rtol=1e-5)
 
 
 @pytest.mark.parametrize("fmt", list(quant.FORMATS))
@@ -45,14 +46,14 @@ def test_linear_panels_matches_numpy(fmt, M, O, I):
 def test_linear_with_int8_inputs_matches_numpy(fmt, M, O, I):
     """Weights that multiply int8-rounded inputs: the integer (VNNI) kernels below TILE_MIN_ROWS rows, the tiled
     float kernels on the rounded rows above (the integer tiles past FEW_TOKENS rows, with VNNI),
-    BLAS beyond SMALL_M rows, all against ops.linear."""
+    BLAS beyond SMALL_M rows, all against NumpyOps.linear."""
     w = RNG.normal(0, 0.1, (O, I)).astype(np.float32)
     x = RNG.normal(0, 1, (M, I)).astype(np.float32)
     x[:, :3] *= 20                                                    # an outlier block, as real activations have
     qw = quant.quantize(w, fmt)
-    want = ops.linear(x, qw, int8_inputs=True)
+    want = NumpyOps.linear(x, qw, int8_inputs=True)
     np.testing.assert_allclose(kernels.linear(x, qw, int8_inputs=True), want, atol=2e-5 * np.sqrt(I), rtol=1e-5)
-    assert np.abs(ops.linear(x, qw) - want).max() > 1e-4              # and the setting is what decides
+    assert np.abs(NumpyOps.linear(x, qw) - want).max() > 1e-4              # and the setting is what decides
 
 
 @pytest.mark.parametrize("I", [1, 31, 32, 33, 100, 576])
@@ -320,7 +321,7 @@ def test_int8_channel_odd_width_not_multiple_of_block(I, int8_inputs):
     qw = quant.quantize_int8_channel(w)
     x = RNG.normal(size=(2, I)).astype(np.float32)
     np.testing.assert_allclose(kernels.linear(x, qw, int8_inputs=int8_inputs),
-                               ops.linear(x, qw, int8_inputs=int8_inputs), atol=1e-5)
+                               NumpyOps.linear(x, qw, int8_inputs=int8_inputs), atol=1e-5)
 
 
 @pytest.mark.parametrize("S, H, KVH, Dh", [(1, 4, 4, 8), (5, 9, 3, 64), (37, 6, 2, 16), (300, 8, 1, 32)])
@@ -328,7 +329,7 @@ def test_decode_attention_matches_numpy(S, H, KVH, Dh):
     q = RNG.normal(size=(1, H, Dh)).astype(np.float32)
     k = RNG.normal(size=(S, KVH, Dh)).astype(np.float32)
     v = RNG.normal(size=(S, KVH, Dh)).astype(np.float32)
-    want = ops.attention(q, k, v, start=S - 1)                        # [1, H*Dh]: the last position sees all
+    want = NumpyOps.attention(q, k, v, start=S - 1)                        # [1, H*Dh]: the last position sees all
     np.testing.assert_allclose(kernels.attention(q, k, v, S - 1), want, atol=1e-5)
 
 
@@ -341,7 +342,7 @@ def test_causal_attention_matches_numpy(T, start, H, KVH, Dh):
     q = RNG.normal(size=(T, H, Dh)).astype(np.float32)
     k = RNG.normal(size=(start + T, KVH, Dh)).astype(np.float32)
     v = RNG.normal(size=(start + T, KVH, Dh)).astype(np.float32)
-    np.testing.assert_allclose(kernels.attention(q, k, v, start), ops.attention(q, k, v, start), atol=1e-5)
+    np.testing.assert_allclose(kernels.attention(q, k, v, start), NumpyOps.attention(q, k, v, start), atol=1e-5)
 
 
 @pytest.mark.parametrize("M, K, N", [(8, 64, 16), (64, 64, 48), (96, 64, 64), (16, 5, 80), (8, 1, 128), (24, 33, 112)])
@@ -386,7 +387,7 @@ def test_causal_attention_reads_strided_views(T):
     q = qkv[:, :H * Dh].reshape(T, H, Dh)
     k = qkv[:, H * Dh:(H + KVH) * Dh].reshape(T, KVH, Dh)
     v = qkv[:, (H + KVH) * Dh:].reshape(T, KVH, Dh)
-    np.testing.assert_allclose(kernels.attention(q, k, v, 0), ops.attention(q, k, v, 0), atol=1e-5)
+    np.testing.assert_allclose(kernels.attention(q, k, v, 0), NumpyOps.attention(q, k, v, 0), atol=1e-5)
 
 
 def test_exp32_matches_the_library_exponential():
@@ -448,14 +449,17 @@ def test_small_ops_match_numpy(T):
 
 
 def test_backend_modules_offer_the_same_functions():
-    """A model's ops is ops.py or kernels/ (or, for a long pass, kernels/blas.py): the same names in each."""
+    """A pass runs on backend.NumpyOps (ops.py over any weight and cache format), kernels/ or, for a long pass,
+    kernels/blas.py: the same names in each; each backend says which by row count."""
+    from tinyllm.backend import NumbaBackend, NumpyBackend, NumpyOps
     from tinyllm.kernels import blas
-    names = ["linear", "rmsnorm", "layernorm", "apply_rope", "attention", "paged_attention", "swiglu", "gelu_tanh",
-             "softmax", "silu", "rope_tables"]
-    for module in (ops, kernels, blas):
-        assert all(callable(getattr(module, n)) for n in names), module.__name__
-        assert isinstance(module.FUSED_ROWS, int)
-    assert ops.for_rows(10_000) is ops and kernels.for_rows(1) is kernels and kernels.for_rows(10_000) is blas
+    names = ["linear", "rmsnorm", "layernorm", "apply_rope", "attention", "paged_attention", "swiglu", "gelu_tanh"]
+    for namespace in (NumpyOps, kernels, blas):
+        assert all(callable(getattr(namespace, n)) for n in names), namespace.__name__
+    numba_backend = NumbaBackend()
+    assert NumpyBackend().ops_for(10_000) is NumpyOps and not NumpyBackend().fuses(1)
+    assert numba_backend.ops_for(1) is kernels and numba_backend.ops_for(10_000) is blas
+    assert numba_backend.fuses(kernels.FUSED_ROWS) != numba_backend.fuses(kernels.FUSED_ROWS + 1)
 
 
 WARMUP_CHECK = """
@@ -472,7 +476,8 @@ def signatures():
 
 for quant in (None, "int8", "int8-block", "q4_1"):
     model = random_model("llama", context_length=64, dim=64, ffn_dim=64, quant=quant)   # warms up its kernels
-    pool = paged.PagedKVCache(model.config, block_size=4, num_blocks=64)   # warms up the batched paged kernel
+    pool = paged.PagedKVCache(model.config, block_size=4, num_blocks=64)
+    model.warm_up_pool(pool)                                        # warms up the batched paged kernel
     for activations in ("float32", "int8") if quant else ("float32",):
         model.activations = activations                             # warms up this setting's kernels
         before = signatures()
@@ -660,7 +665,7 @@ for quant in (None, "int8", "int8-block", "q4_1"):
         ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
         cache = m.new_cache(16)
         got = np.stack([m.prefill(ids[:8], cache)] + [m.decode_step(t, cache) for t in ids[8:]])
-        assert m.ops is kernels
+        assert m.compute.ops_for(8) is kernels
         m.backend = "numpy"
         np.testing.assert_allclose(got, m.logits(ids)[7:], atol=1e-4 if activations == "float32" else 5e-2)
 """

@@ -11,6 +11,7 @@ import pytest
 
 import tinyllm
 from tinyllm import kernels, kv_cache, ops
+from tinyllm.backend import NumpyOps
 from tinyllm.engine import Engine
 from tinyllm.kv_cache import KV_DTYPES, QuantizedKV, as_float32, int8_group, kv_storage, quantize_int8
 from tinyllm.paged import PagedKVCache
@@ -208,13 +209,13 @@ def test_decode_attention_on_each_head_size(kv_dtype, head_dim):
     H, KVH, T, start = 6, 2, 3, 70
     q = rng.normal(size=(T, H, head_dim)).astype(np.float32)
     k, v = (stored(rng, (start + T, KVH, head_dim), kv_dtype)[0] for _ in range(2))
-    np.testing.assert_allclose(kernels.attention(q, k, v, start), ops.attention(q, k, v, start), atol=2e-6)
+    np.testing.assert_allclose(kernels.attention(q, k, v, start), NumpyOps.attention(q, k, v, start), atol=2e-6)
     NB, BS = 10, 8
     kb, vb = (stored(rng, (NB, BS, KVH, head_dim), kv_dtype)[0] for _ in range(2))
     lens, tables = np.array([5, 30], np.int32), np.array([[7, 0, 0, 0], [2, 9, 4, 1]], np.int32)
     qb = q[:2]
     np.testing.assert_allclose(kernels.paged_attention(qb, kb, vb, tables, lens),
-                               ops.paged_attention(qb, kb, vb, tables, lens), atol=2e-6)
+                               NumpyOps.paged_attention(qb, kb, vb, tables, lens), atol=2e-6)
 
 
 # --- kernels == numpy twins on each stored format ----------------------------------------------------------------
@@ -229,7 +230,7 @@ def test_attention_kernels_read_the_stored_format(kv_dtype, T, start):
     q = rng.normal(size=(T, H, Dh)).astype(np.float32)
     (k, k32), (v, v32) = stored(rng, (start + T, KVH, Dh), kv_dtype, 3.0), stored(rng, (start + T, KVH, Dh), kv_dtype)
     want = ops.attention(kv_cache.query_for(kv_dtype, q), k32, v32, start)
-    np.testing.assert_allclose(ops.attention(q, k, v, start), want, atol=1e-6)    # the twin dequantizes itself
+    np.testing.assert_allclose(NumpyOps.attention(q, k, v, start), want, atol=1e-6)    # the twin dequantizes itself
     np.testing.assert_allclose(kernels.attention(q, k, v, start), want, atol=2e-5)
 
 
@@ -242,7 +243,7 @@ def test_paged_kernel_reads_the_stored_format(kv_dtype):
     tables = np.array([[5, 0, 0, 0], [3, 9, 0, 0], [11, 2, 7, 1]], dtype=np.int32)
     q = rng.normal(size=(3, H, Dh)).astype(np.float32)
     want = ops.paged_attention(kv_cache.query_for(kv_dtype, q), kb32, vb32, tables, lens)
-    np.testing.assert_allclose(ops.paged_attention(q, kb, vb, tables, lens), want, atol=1e-6)
+    np.testing.assert_allclose(NumpyOps.paged_attention(q, kb, vb, tables, lens), want, atol=1e-6)
     np.testing.assert_allclose(kernels.paged_attention(q, kb, vb, tables, lens), want, atol=2e-5)
 
 
@@ -376,7 +377,8 @@ def signatures():
     return {(mod.__name__, name, sig) for mod in (attention_kernels, block) for name, f in vars(mod).items()
             if isinstance(f, CPUDispatcher) for sig in f.signatures}
 cache = model.new_cache(64, kv_dtype)                                  # warms up this format's kernels
-pool = paged.PagedKVCache(model.config, block_size=4, num_blocks=32, kv_dtype=kv_dtype)   # and the paged ones
+pool = paged.PagedKVCache(model.config, block_size=4, num_blocks=32, kv_dtype=kv_dtype)
+model.warm_up_pool(pool)                                               # and the paged ones
 before = signatures()
 model.prefill([1, 2, 3, 4, 5], cache)
 model.decode_step(6, cache)

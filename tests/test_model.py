@@ -70,7 +70,7 @@ def test_long_prompt_prefills_in_chunks_like_one_pass(arch):
     np.testing.assert_allclose(model.prefill(ids, cache), reference.prefill(ids, reference_cache), atol=1e-4)
     np.testing.assert_allclose(cache.k, reference_cache.k, atol=1e-4)
     np.testing.assert_allclose(cache.v, reference_cache.v, atol=1e-4)
-    assert cache.length == 300 and model.ops.PREFILL_CHUNK < 300
+    assert cache.length == 300 and model.compute.prefill_chunk < 300
 
 
 def test_prefill_that_does_not_fit_leaves_the_cache_as_it_was(model):
@@ -316,14 +316,14 @@ def test_the_fused_steps_prepared_operands_follow_the_cache_and_the_layers():
         out = [model.forward(ids[:4], a), model.forward(ids[:6], b)]
         for t in ids[6:10]:
             out += [model.decode_step(t, a), model.decode_step(t, b)]
-        assert (a in model._cache_operands and b in model._cache_operands) == fused
+        assert (a in model.compute._cache_operands and b in model.compute._cache_operands) == fused
         return out
     for make in (lambda: m, lambda: quantized_copy(m, "int8")):     # (the copy made after m has run)
         model = make()
         for got, want in zip(run(model, True), run(model, False)):
             np.testing.assert_allclose(got, want, **FUSED_TOLERANCE)
     gc.collect()
-    assert len(m._cache_operands) == 0
+    assert len(m.compute._cache_operands) == 0
 
 
 def test_a_pass_past_small_m_rows_keeps_attention_off_numba(monkeypatch):
@@ -345,9 +345,9 @@ def test_a_pass_past_small_m_rows_keeps_attention_off_numba(monkeypatch):
 
 
 def test_the_package_layout_keeps_its_promises():
-    """model.py wires the math: it imports neither numba nor the paged cache; importing tinyllm loads no Numba
-    (only a numba-backend model does); no module imports another that imports it back; and importing the package
-    leaves the process environment as it was."""
+    """model.py wires the math: it imports neither numba nor the paged cache; ops.py is plain math (nothing of
+    tinyllm but config); importing tinyllm, or making a paged pool, loads no Numba (only a numba-backend model
+    does); no module imports another that imports it back; importing the package leaves the environment as it was."""
     import ast
     import subprocess
     import sys
@@ -369,9 +369,12 @@ def test_the_package_layout_keeps_its_promises():
                 found.update(a.name for a in node.names)
         imports[name] = found
     assert not any(m.startswith(("numba", "tinyllm.paged", "tinyllm.kernels")) for m in imports["tinyllm.model"])
+    assert {m for m in imports["tinyllm.ops"] if m.startswith("tinyllm")} <= {"tinyllm.config"}   # plain math
     for a, deps in imports.items():                                     # no two modules import each other
         for b in deps:
             assert a not in imports.get(b, ()), f"{a} and {b} import each other"
     code = "import os, sys; env = dict(os.environ); import tinyllm; assert 'numba' not in sys.modules; " \
-           "assert dict(os.environ) == env"
+           "assert dict(os.environ) == env; from tinyllm.paged import PagedKVCache; " \
+           "PagedKVCache(tinyllm.ModelConfig('llama', 50, 32, 2, 4, 2, 48, 64), num_blocks=4); " \
+           "assert 'numba' not in sys.modules"     # (a pool compiles nothing: the model warms up for it)
     subprocess.run([sys.executable, "-c", code], check=True, cwd=pkg.parent)

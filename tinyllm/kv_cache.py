@@ -11,8 +11,9 @@ token is 2 * L * KVH * Dh * bytes per value (SmolLM2-135M: 2*30*3*64 = 11,520 va
     "float16"  rounded to half precision when stored          23,040 B/token
     "int8"     int8 values + a float16 scale per 32 values    12,240 B/token (Q8_0's layout, per position and head)
 The values are rounded once, when a token's K/V are written; attention reads the stored format (the kernels
-convert as they load, ops.attention dequantizes in numpy), so every reader sees the same rounded values. Over an
-int8 cache, attention rounds q to int8 blocks too (`query_for`), so that the kernels' q . k runs in integers.
+convert as they load; the numpy backend dequantizes first: `attention_inputs`), so every reader sees the same
+rounded values. Over an int8 cache, attention rounds q to int8 blocks too (`query_for`), so that the kernels'
+q . k runs in integers.
 The contract (shared with the paged cache): `update` writes new positions and returns views of the whole
 history, `length` counts committed tokens, `truncate` rolls back (speculative decoding's rejected drafts).
 
@@ -171,6 +172,12 @@ def as_float32(kv) -> np.ndarray:
     if isinstance(kv, QuantizedKV):
         return kv.dequantize()
     return kv if kv.dtype == np.float32 else kv.astype(np.float32)
+
+
+def attention_inputs(q: np.ndarray, k, v) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """q, k, v as attention computes with them over K and V in a stored format: K and V as float32, and over an
+    int8 cache q rounded to int8 blocks as the kernels round it (`query_for`). -> q [T, H, Dh], k, v [S, KVH, Dh]"""
+    return query_for(kv_dtype_of(k), q, getattr(k, "group", None)), as_float32(k), as_float32(v)
 
 
 def kv_dtype_of(kv) -> str:

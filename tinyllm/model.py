@@ -11,22 +11,22 @@ positions, GELU, biases). Weights arrive as canonical named arrays from weights.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from dataclasses import dataclass
 
 import numpy as np
 
-from . import ops
+from .backend import BACKENDS, make_backend
 from .config import ModelConfig
 from .kv_cache import ContiguousKVCache, Segment, attention_groups, query_for
+from .ops import rope_tables
 from .quant import QuantizedWeight
 from .weights import fuse_layer_matrices
 
-BACKENDS = ("numba", "numpy")
 ACTIVATIONS = ("float32", "int8")
+__all__ = ["Transformer", "LayerWeights", "BACKENDS", "ACTIVATIONS"]
 
 
-@dataclass
+@dataclass(eq=False)        # compared by identity: the backend keeps what it prepared of each layer, weakly
 class LayerWeights:
     """One transformer block. Projections are [out, in]; q/k/v and gate/up are fused at load (one matmul each)."""
 
@@ -49,7 +49,7 @@ class Transformer:
 
     backend="numba" (default) runs the matrix products, attention and the small ops in the Numba kernels of
     kernels/; backend="numpy" runs everything in the plain numpy of ops.py, to read or step through. The two
-    offer the same functions (`self.ops` is one or the other) and give the same tokens (tests/test_kernels.py),
+    offer the same functions (`self.compute`, backend.py) and give the same tokens (tests/test_kernels.py),
     bit for bit with float32 activations; with activations="int8" rounding can amplify their last-bit
     differences (quant.py). activations is a setting of this model's forward pass, not of its weights: two
     models may share weights (an early-exit draft shares its target's) and round differently.
@@ -62,9 +62,7 @@ class Transformer:
         self.quant = quant or "fp32"
         self.quant_report = quant_report or []
         self.jit_s = 0.0                    # seconds spent compiling / loading kernels (numba backend)
-        self.fused_decode = True            # a step of a few tokens runs each block as one call (if ops has one)
-        self._block_weights = ((), [])      # (the layers, what the fused block takes of their weights)
-        self._cache_operands = weakref.WeakKeyDictionary()   # cache -> what the fused block takes of it, per layer
+        self.fused_decode = True            # a step of a few tokens runs each block as one call (if the backend can)
         c = config
         self.tok_embed = weights["tok_embed"]                      # [V, D]
         self.lm_head = weights.get("lm_head", self.tok_embed)      # [V, D]; the same array when tied
@@ -85,7 +83,7 @@ class Transformer:
                 w_out=w("w_down") if c.arch == "llama" else w("w_proj"), b_out=w("b_proj"),
             ))
         if c.arch == "llama":  # one table of rotation angles for every position the model supports
-            self.rope_cos, self.rope_sin = ops.rope_tables(c.head_dim, c.context_length, c.rope_theta)
+            self.rope_cos, self.rope_sin = rope_tables(c.head_dim, c.context_length, c.rope_theta)
         self.activations = activations      # validated by its property setter, like backend
         self.backend = backend              # validated (and kernels warmed up) by the property setter below
 
@@ -95,24 +93,18 @@ class Transformer:
 
     @backend.setter
     def backend(self, name: str) -> None:
-        if name not in BACKENDS:
-            raise ValueError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
-        if name == "numba":
-            from . import kernels           # (imports numba: only models that use it pay for that)
-            self.ops = kernels              # the same function names as ops.py, hot ones as Numba kernels
-        else:
-            self.ops = ops
+        self.compute = make_backend(name)   # what runs each pass: ops.py's numpy, or kernels/ (backend.py)
         self._backend = name
         self._warm_up()
 
     def _warm_up(self, kv_dtype: str = "float32") -> None:
         """Compile (or load from numba's on-disk cache) the kernels this model's formats, activations setting and a
         KV cache of kv_dtype need, so that no step pays for it (a no-op for what is warm already)."""
-        if self._backend == "numba":
-            blocks = {type(w) for layer in self.layers for w in (layer.wqkv, layer.wo, layer.w_in, layer.w_out)}
-            heads = (self.config.head_dim, self.config.n_heads // self.config.n_kv_heads)    # what attention compiles for
-            self.jit_s += self.ops.warmup(blocks, {type(self.lm_head)}, self._int8_inputs, self._has_fusable_blocks,
-                                          kv_dtype, heads)
+        self.jit_s += self.compute.warm_up(self, kv_dtype)
+
+    def warm_up_pool(self, pool) -> None:
+        """Compile what batched steps over a paged pool (paged.py) need, now rather than in the first step."""
+        self.jit_s += self.compute.warm_up_paged(self, pool.kv_dtype)
 
     @property
     def activations(self) -> str:
@@ -128,7 +120,7 @@ class Transformer:
             raise ValueError("activations='int8' needs quantized weights: load with quant='int8', 'int8-block', "
                              "'q4_1' or 'native'")
         self._activations = name
-        self._int8_inputs = name == "int8"  # what every linear of the forward pass is told
+        self.int8_inputs = name == "int8"   # what every linear of the forward pass is told
         if hasattr(self, "_backend"):       # (set after this in __init__)
             self._warm_up()
 
@@ -140,14 +132,14 @@ class Transformer:
     def prefill(self, ids, cache: ContiguousKVCache, trace=None) -> np.ndarray:
         """Run the prompt through, filling `cache`. -> [V] logits of the last prompt position.
 
-        A long prompt goes through in chunks of ops.PREFILL_CHUNK tokens (the kernels': each chunk's linears and
-        attention run in the Numba kernels, its activations stay cache-sized, and no [T, S] score matrix is ever
-        made; the numpy reference takes the prompt in one pass). Only the last position's logits are computed: the
-        output head is V x D per row, and a prompt's other rows would be thrown away.
+        A long prompt goes through in chunks of the backend's prefill_chunk tokens (the kernels': each chunk's
+        linears and attention run in the Numba kernels, its activations stay cache-sized, and no [T, S] score
+        matrix is ever made; the numpy backend takes the prompt in one pass). Only the last position's logits are
+        computed: the output head is V x D per row, and a prompt's other rows would be thrown away.
         """
         ids = self._check_ids(ids)
         self._check_room(len(ids), cache)                           # all or nothing: no chunk is cached if it fails
-        chunk = self.ops.PREFILL_CHUNK or len(ids)
+        chunk = self.compute.prefill_chunk or len(ids)
         for s in range(0, len(ids), chunk):
             logits = self.forward(ids[s:s + chunk], cache=cache, last_only=True, trace=trace)[0]
         return logits
@@ -195,7 +187,7 @@ class Transformer:
             segments.append(Segment(slice(row, row + T), cache, start))
             row += T
         positions = np.concatenate([np.arange(s.start, s.start + s.n_tokens) for s in segments])   # [N]
-        o = self.ops.for_rows(row)                                  # the kernels a pass of this many rows runs on
+        ops = self.compute.ops_for(row)                             # the functions a pass of this many rows runs
         if trace is not None:
             if len(segments) != 1:
                 raise ValueError("a trace follows one sequence: trace a forward pass of a single sequence")
@@ -207,54 +199,57 @@ class Transformer:
             rope = None
         else:                                                       # llama: each row's rotation angles
             rope = self.rope_cos[positions], self.rope_sin[positions]   # 2 x [N, Dh/2]
-        if row <= o.FUSED_ROWS and trace is None and self._fusable(segments):
-            self._fused_decode_blocks(o, x, segments[0])            # x [T, D], updated in place
+        if trace is None and self.compute.fuses(row) and self._fusable(segments):
+            self.compute.decode_blocks(self, x, segments[0].start, segments[0].cache)   # x [T, D], in place
         else:
             # who attends with whom, the same in every layer (a traced pass: its one sequence, read as a Segment)
             groups = attention_groups(segments) if trace is None else segments
+            for pool in {id(g.pool): g.pool for g in groups if hasattr(g, "pool")}.values():
+                self.compute.warm_up_paged(self, pool.kv_dtype)   # (a no-op once warm: see warm_up_pool)
             for i, layer in enumerate(self.layers):
-                x = self._block(o, x, layer, i, rope, groups, trace)   # [N, D]
+                x = self._block(ops, x, layer, i, rope, groups, trace)   # [N, D]
         for s in segments:
             if s.cache is not None:
                 s.cache.length = s.start + s.n_tokens
         if last_only:
             x = x[[s.rows.stop - 1 for s in segments]]              # [B, D]: each sequence's last row
-        x = self._norm(o, x, self.final_norm, self.final_norm_b)
-        logits = o.linear(x, self.lm_head, int8_inputs=self._int8_inputs)   # [N, V] or [B, V]
+        x = self._norm(ops, x, self.final_norm, self.final_norm_b)
+        logits = ops.linear(x, self.lm_head, int8_inputs=self.int8_inputs)   # [N, V] or [B, V]
         if last_only:
             return [logits[j:j + 1] for j in range(len(segments))]
         return [logits[s.rows] for s in segments]
 
-    def _block(self, o, x, layer: LayerWeights, i: int, rope, groups: list, trace=None) -> np.ndarray:
-        """One transformer block: x + attention(norm(x)), then x + mlp(norm(x)). o: the ops; x: [N, D] -> [N, D]"""
+    def _block(self, ops, x, layer: LayerWeights, i: int, rope, groups: list, trace=None) -> np.ndarray:
+        """One transformer block: x + attention(norm(x)), then x + mlp(norm(x)). x [N, D] -> [N, D]
+        ops: the functions this pass runs on (the backend's `ops_for` its row count)."""
         x_in = x
-        c, a8 = self.config, self._int8_inputs
+        c, int8_inputs = self.config, self.int8_inputs
         T, H, KVH, Dh = x.shape[0], c.n_heads, c.n_kv_heads, c.head_dim
 
         # attention
-        h = self._norm(o, x, layer.attn_norm, layer.attn_norm_b)   # [T, D]
-        qkv = o.linear(h, layer.wqkv, layer.bqkv, int8_inputs=a8)   # [T, (H + 2*KVH) * Dh]
+        h = self._norm(ops, x, layer.attn_norm, layer.attn_norm_b) # [T, D]
+        qkv = ops.linear(h, layer.wqkv, layer.bqkv, int8_inputs=int8_inputs)   # [T, (H + 2*KVH) * Dh]
         q = qkv[:, :H * Dh].reshape(T, H, Dh)                       # [T, H, Dh]
         k = qkv[:, H * Dh:(H + KVH) * Dh].reshape(T, KVH, Dh)      # [T, KVH, Dh]
         v = qkv[:, (H + KVH) * Dh:].reshape(T, KVH, Dh)            # [T, KVH, Dh]
         if rope is not None:                                        # rotate q and k by their positions
-            q, k = o.apply_rope(q, *rope), o.apply_rope(k, *rope)
+            q, k = ops.apply_rope(q, *rope), ops.apply_rope(k, *rope)
         if len(groups) == 1:                                        # one sequence (or one batch): all the rows
-            att = groups[0].attend(i, q, k, v, o)                   # [T, H*Dh]
+            att = groups[0].attend(i, q, k, v, ops)                 # [T, H*Dh]
         else:                                                       # several: each against its own cache
             att = np.empty((T, H * Dh), dtype=np.float32)
             for g in groups:
-                att[g.rows] = g.attend(i, q[g.rows], k[g.rows], v[g.rows], o)
-        x = x + o.linear(att, layer.wo, layer.bo, int8_inputs=a8)   # [T, D]
+                att[g.rows] = g.attend(i, q[g.rows], k[g.rows], v[g.rows], ops)
+        x = x + ops.linear(att, layer.wo, layer.bo, int8_inputs=int8_inputs)   # [T, D]
         x_mid = x
 
         # feed-forward
-        h = self._norm(o, x, layer.ffn_norm, layer.ffn_norm_b)     # [T, D]
+        h = self._norm(ops, x, layer.ffn_norm, layer.ffn_norm_b)   # [T, D]
         if c.arch == "llama":
-            h = o.swiglu(o.linear(h, layer.w_in, int8_inputs=a8))   # [T, 2F] -> [T, F]: silu(gate) * up
+            h = ops.swiglu(ops.linear(h, layer.w_in, int8_inputs=int8_inputs))   # [T, 2F] -> [T, F]: silu(gate) * up
         else:
-            h = o.gelu_tanh(o.linear(h, layer.w_in, layer.b_in, int8_inputs=a8))   # [T, F]
-        x = x + o.linear(h, layer.w_out, layer.b_out, int8_inputs=a8)             # [T, D]
+            h = ops.gelu_tanh(ops.linear(h, layer.w_in, layer.b_in, int8_inputs=int8_inputs))   # [T, F]
+        x = x + ops.linear(h, layer.w_out, layer.b_out, int8_inputs=int8_inputs)             # [T, D]
         if trace is not None and trace.records_layer(i):
             cache, start = groups[0].cache, groups[0].start             # a traced pass has one sequence
             if cache is not None:                                   # what attention read: the stored, rounded K/V
@@ -274,30 +269,14 @@ class Transformer:
 
     def _fusable(self, segments: list[Segment]) -> bool:
         """Can this pass run each block as one call: one sequence on a contiguous cache, through Llama blocks
-        without attention biases (the row count is the ops' to judge: FUSED_ROWS)?"""
+        without attention biases (the row count is the backend's to judge: `fuses`)?"""
         return (self.fused_decode and len(segments) == 1 and type(segments[0].cache) is ContiguousKVCache
-                and self._has_fusable_blocks)
+                and self.has_fusable_blocks)
 
     @property
-    def _has_fusable_blocks(self) -> bool:
-        """Llama blocks without attention biases: what block.py's one-call block computes."""
+    def has_fusable_blocks(self) -> bool:
+        """Llama blocks without attention biases: what the kernels' one-call block computes (kernels/block.py)."""
         return self.config.arch == "llama" and not self.config.attn_bias
-
-    def _fused_decode_blocks(self, o, x, segment: Segment) -> None:
-        """The fast twin of the `_block` loop for a few new tokens: each layer is one call of the compiled block,
-        which runs the same kernels with no Python between them (tests/test_model.py checks the two agree). What
-        the calls take of the weights and of the cache is built once, not every step."""
-        c, T, cache, start = self.config, x.shape[0], segment.cache, segment.start
-        cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]   # [T, Dh/2] each
-        built_for, weights = self._block_weights          # (a draft made by copying this model has its own layers)
-        if len(built_for) != len(self.layers) or any(a is not b for a, b in zip(built_for, self.layers)):
-            weights = [o.block_weights(layer) for layer in self.layers]
-            self._block_weights = tuple(self.layers), weights
-        caches = self._cache_operands.get(cache)
-        if caches is None or len(caches) != len(self.layers):
-            caches = self._cache_operands[cache] = [o.cache_operands(cache.k[i], cache.v[i], c.n_heads)
-                                                    for i in range(len(self.layers))]
-        o.decode_blocks(x, weights, caches, start, cos, sin, c.n_heads, c.norm_eps, self._int8_inputs)
 
     def _matrices(self) -> list:
         """Every weight that goes through `linear`."""
@@ -312,10 +291,10 @@ class Transformer:
             return self.tok_embed.dequantize(ids)
         return self.tok_embed[ids]
 
-    def _norm(self, o, x, weight, bias):
+    def _norm(self, ops, x, weight, bias):
         if self.config.arch == "llama":
-            return o.rmsnorm(x, weight, self.config.norm_eps)
-        return o.layernorm(x, weight, bias, self.config.norm_eps)
+            return ops.rmsnorm(x, weight, self.config.norm_eps)
+        return ops.layernorm(x, weight, bias, self.config.norm_eps)
 
     def _check_ids(self, ids) -> np.ndarray:
         ids = np.asarray(ids)

@@ -1,31 +1,17 @@
-"""The math of a transformer, as small pure numpy functions (float32 in, float32 out).
+"""The engine's math, as small pure numpy functions: float32 arrays in, float32 arrays out.
 
-This is the readable reference: every function is a few lines you can step through in a debugger. Shape
-names are defined in config.py (T tokens, S cached positions, D width, H/KVH heads, Dh head dim, ...).
-Nothing here allocates state or knows about caches; model.py wires these together. kernels/ offers the same
-functions as compiled Numba code (a model's `ops` is this module or that package).
+Every function is a few lines to step through in a debugger; kernels/ has a compiled twin of each hot one, under
+the same name, and tests/test_kernels.py checks that they agree. Shape names are defined in config.py.
+Left out on purpose: caches, quantized formats and dispatch. A quantized weight or a K/V cache in a stored format
+(float16, int8) is made float32 by its owner before these functions see it (backend.NumpyOps does that).
 """
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 
-from .kv_cache import as_float32, kv_dtype_of, query_for
-from .quant import round_activations
 
-
-def linear(x: np.ndarray, w, b: np.ndarray | None = None, int8_inputs: bool = False) -> np.ndarray:
-    """y = x W^T (+ b). `w` is [out, in] (PyTorch's layout), so each output is one row of w dotted with x.
-
-    A quantized weight (quant.py) is dequantized to float32 first, and with int8_inputs x is first rounded to
-    int8 blocks (the model's activations="int8"): the readable reference, not the fast path (kernels.linear
-    reads the quantized bytes). float32 weights always multiply x as it is.
-    """
-    if not isinstance(w, np.ndarray):
-        if int8_inputs:
-            x = round_activations(x)                    # [T, in], each value now int8 * its block's scale
-        w = w.dequantize()                              # [out, in] float32
+def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
+    """y = x W^T (+ b). `w` is [out, in] (PyTorch's layout), so each output is one row of w dotted with x."""
     y = x @ w.T                                         # [T, in] @ [in, out] -> [T, out]
     return y if b is None else y + b
 
@@ -94,11 +80,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
     q: [T, H, Dh] for positions start .. start+T-1; k, v: [S, KVH, Dh] for positions 0 .. S-1 (S = start + T).
     GQA: query head h reads KV head h // G. Reshaping q to [KVH, G, T, Dh] lets one matmul per KV head serve
     its G query heads; K and V are never copied or repeated. -> [T, H*Dh]
-    k and v may come in a cache's stored format (float16, or kv_cache.QuantizedKV for int8): dequantized first
-    (and over int8, q rounded as the kernels round it: kv_cache.query_for).
     """
-    q = query_for(kv_dtype_of(k), q, getattr(k, "group", None))  # (int8 caches: q in int8 blocks)
-    k, v = as_float32(k), as_float32(v)                            # [S, KVH, Dh] float32 each
     T, H, Dh = q.shape
     S, KVH, _ = k.shape
     G = H // KVH
@@ -115,13 +97,14 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
 
 
 def paged_attention(q: np.ndarray, k_blocks: np.ndarray, v_blocks: np.ndarray, block_tables: np.ndarray,
-                    context_lens: np.ndarray) -> np.ndarray:
+                    context_lens: np.ndarray, attend=attention) -> np.ndarray:
     """Attention of B one-token queries, each against its own sequence in a paged KV pool (paged.py).
 
-    q [B, H, Dh]; k_blocks, v_blocks [NB, BS, KVH, Dh]: one layer of the pool (any kv_dtype); block_tables [B, max blocks]: the
+    q [B, H, Dh]; k_blocks, v_blocks [NB, BS, KVH, Dh]: one layer of the pool; block_tables [B, max blocks]: the
     physical block of each sequence's logical blocks; context_lens [B]: positions to attend, the new one included.
     Each sequence's positions are gathered through its table (position p lives at offset p % BS of block
-    table[p // BS]), then it is plain attention of the last position. -> [B, H*Dh]
+    table[p // BS]), then `attend` (plain attention; a stored format's owner passes its own) does the last
+    position. -> [B, H*Dh]
     """
     B, H, Dh = q.shape
     BS = k_blocks.shape[1]
@@ -131,15 +114,6 @@ def paged_attention(q: np.ndarray, k_blocks: np.ndarray, v_blocks: np.ndarray, b
         pos = np.arange(S)                                                         # [S]
         blocks, offsets = block_tables[b, pos // BS], pos % BS                     # [S], [S]
         k, v = k_blocks[blocks, offsets], v_blocks[blocks, offsets]                # [S, KVH, Dh] each
-        out[b] = attention(q[b:b + 1], k, v, S - 1)[0]                             # [H*Dh]
+        out[b] = attend(q[b:b + 1], k, v, S - 1)[0]                                # [H*Dh]
     return out
 
-
-# --- how a forward pass runs: in numpy the same way for any number of rows (kernels/ decides by row count) ----
-FUSED_ROWS = 0      # no fused block here: every pass runs op by op (kernels.decode_block is the fused one)
-PREFILL_CHUNK = 0   # a prompt in one pass (the kernels take a long one in chunks: model.prefill)
-
-
-def for_rows(n_rows: int):
-    """The ops a forward pass of n_rows rows runs on: always these."""
-    return sys.modules[__name__]

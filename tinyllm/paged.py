@@ -278,9 +278,7 @@ class PagedKVCache:
         self.v_slots = self.v.reshape(L, num_blocks * block_size, KVH, Dh)
         self.allocator = BlockAllocator(num_blocks, block_size, prefix_caching)
         self.block_size, self.num_blocks, self.max_positions = block_size, num_blocks, config.context_length
-        self._next_id = 0
-        from .kernels import warmup_paged
-        warmup_paged(self.kv_dtype, (Dh, config.n_heads // KVH))   # compile the batched kernel now, not mid-request
+        self._next_id = 0                                 # (compiles nothing: the model warms up for a pool)
 
     @property
     def bytes_per_token(self) -> int:

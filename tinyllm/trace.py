@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import ops
+from .backend import NumpyOps
 
 LENS_TOP = 5        # logit lens: top tokens kept per position
 STAGES_TOP = 10     # sampling stages: top tokens kept per stage
@@ -182,7 +183,7 @@ class Trace:
             h = ops.rmsnorm(x, m.final_norm, m.config.norm_eps)
         else:
             h = ops.layernorm(x, m.final_norm, m.final_norm_b, m.config.norm_eps)
-        logits = ops.linear(h, m.lm_head, int8_inputs=m.activations == "int8")   # [S, V]
+        logits = NumpyOps.linear(h, m.lm_head, int8_inputs=m.int8_inputs)   # [S, V]
         p = ops.softmax(logits.astype(np.float64), axis=-1)
         ids = np.argsort(-p, axis=-1, kind="stable")[:, :top]        # [S, top]
         return ids, np.take_along_axis(p, ids, axis=-1)

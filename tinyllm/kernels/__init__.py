@@ -1,7 +1,7 @@
 """The Numba twins of ops.py: the same functions under the same names, with the hot loops compiled.
 
-A model with backend="numba" uses this package as its `ops`; everything it calls here has a plain numpy twin in
-ops.py and a parity test (tests/test_kernels.py). The files, in the order a decode step meets them:
+A model with backend="numba" runs on this package (backend.NumbaBackend); everything it calls here has a plain numpy
+twin in ops.py and a parity test (tests/test_kernels.py). The files, in the order a decode step meets them:
 
     dispatch.py           which kernel runs for how many rows, which format, which activations (the one policy)
     linear_kernels.py     matrix-vector and small matrix-matrix products for every weight format
@@ -32,17 +32,17 @@ from . import disk_cache
 
 disk_cache.install()    # before any kernel is defined: cached kernels are checked against all of their sources
 from . import blas  # noqa: E402
-from .block import block_weights, cache_operands, decode_block, decode_blocks  # noqa: E402
+from .block import block_weights, cache_operands, decode_blocks  # noqa: E402
 from .dispatch import FUSED_ROWS, PREFILL_CHUNK, SMALL_M, attention, linear, paged_attention, swiglu  # noqa: E402
 from .intdot import HAVE_VNNI  # noqa: E402
 from .pointwise import apply_rope, rmsnorm  # noqa: E402
 from .warmup import warmup, warmup_paged  # noqa: E402
 
-layernorm, gelu_tanh, softmax, silu, rope_tables = ops.layernorm, ops.gelu_tanh, ops.softmax, ops.silu, ops.rope_tables
+layernorm, gelu_tanh = ops.layernorm, ops.gelu_tanh     # not hot: the numpy functions serve
 
-__all__ = ["linear", "rmsnorm", "layernorm", "apply_rope", "swiglu", "gelu_tanh", "softmax", "silu", "rope_tables",
-           "attention", "paged_attention", "decode_block", "decode_blocks", "block_weights", "cache_operands",
-           "for_rows", "FUSED_ROWS", "PREFILL_CHUNK", "HAVE_VNNI", "warmup", "warmup_paged"]
+__all__ = ["linear", "rmsnorm", "layernorm", "apply_rope", "swiglu", "gelu_tanh", "attention", "paged_attention",
+           "decode_blocks", "block_weights", "cache_operands", "for_rows", "FUSED_ROWS", "PREFILL_CHUNK", "SMALL_M",
+           "HAVE_VNNI", "warmup", "warmup_paged"]
 
 
 def for_rows(n_rows: int):

@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import ops
+from ..backend import NumpyOps
 from ..quant import round_activations
 from .pointwise import apply_rope, rmsnorm, swiglu_into
 
-FUSED_ROWS = 0            # no fused block: a long pass runs op by op
-PREFILL_CHUNK = 0         # (model.prefill chunks with the kernels' own)
 TILE_ROWS = 512           # rows of a quantized weight dequantized at a time (fits in L2)
-attention, paged_attention = ops.attention, ops.paged_attention
-layernorm, gelu_tanh, softmax, silu, rope_tables = ops.layernorm, ops.gelu_tanh, ops.softmax, ops.silu, ops.rope_tables
-__all__ = ["linear", "rmsnorm", "layernorm", "apply_rope", "swiglu", "gelu_tanh", "softmax", "silu", "rope_tables",
-           "attention", "paged_attention", "FUSED_ROWS", "PREFILL_CHUNK"]
+attention, paged_attention = NumpyOps.attention, NumpyOps.paged_attention
+layernorm, gelu_tanh = NumpyOps.layernorm, NumpyOps.gelu_tanh
+__all__ = ["linear", "rmsnorm", "layernorm", "apply_rope", "swiglu", "gelu_tanh", "attention", "paged_attention"]
 
 
 def linear(x: np.ndarray, w, b: np.ndarray | None = None, int8_inputs: bool = False) -> np.ndarray:

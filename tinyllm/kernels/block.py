@@ -98,14 +98,6 @@ def threads_can_wait() -> bool:
     return _layer_ok
 
 
-def decode_block(x, layer, k_cache, v_cache, start: int, cos, sin, n_heads: int, eps: float,
-                 int8_inputs: bool) -> None:
-    """One Llama block (model.LayerWeights `layer`) for the T <= FUSED_ROWS new tokens x [T, D]: decode_blocks
-    for a single layer, its cache k_cache, v_cache [S_max, KVH, Dh]."""
-    decode_blocks(x, [block_weights(layer)], [cache_operands(k_cache, v_cache, n_heads)], start, cos, sin, n_heads,
-                  eps, int8_inputs)
-
-
 @njit(**SERIAL)
 def rotate_and_store(qkv, cos, sin, q, k_cache, k_scales, v_cache, v_scales, pos):
     """From the rows qkv [T, (H + 2*KVH) * Dh]: q [T, H, Dh] <- the queries rotated by their positions' angles

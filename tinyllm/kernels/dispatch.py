@@ -7,7 +7,7 @@
                          int8 without AVX-512; with int8 inputs
                          and VNNI, from FEW_TOKENS + 1: the
                          integer tiles of int8_tiles.py)
-    more                 BLAS sgemm (blas.py)                    numpy (ops.attention)
+    more                 BLAS sgemm (blas.py)                    numpy (backend.NumpyOps.attention)
 
 A prompt longer than SMALL_M tokens is prefilled in chunks of PREFILL_CHUNK (model.prefill), so it stays in the
 first two rows. Past SMALL_M rows in one pass (a batch of prompts, a no-cache pass) BLAS's sgemm is faster than
@@ -23,7 +23,7 @@ from numba import config, njit
 from numba.core.errors import TypingError
 from numba.extending import overload
 
-from .. import ops
+from ..backend import NumpyOps
 from ..quant import BLOCK
 from . import blas, intdot
 from .attention_kernels import decode_attention, paged_decode_attention
@@ -183,7 +183,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
     """Twin of ops.attention. q [T, H, Dh], k, v [S, KVH, Dh] in any stored format (kv_cache.py) -> [T, H*Dh]."""
     T, H, Dh = q.shape
     if T > SMALL_M:
-        return ops.attention(q, k, v, start)
+        return NumpyOps.attention(q, k, v, start)
     out = np.empty((T, H, Dh), dtype=np.float32)                              # [T, H, Dh]
     (k, ks), (v, vs) = kernel_operands(k), kernel_operands(v)                # values [S, KVH, Dh], scales or None
     # contiguous operands, one compiled version per kernel (without a cache v is a strided view of the qkv rows)

@@ -1,0 +1,126 @@
+"""Backend: what runs a model's forward pass. model.py says what is computed; a backend says with which code.
+
+    NumpyBackend   ops.py's plain numpy for every pass: the code to read and step through in a debugger
+    NumbaBackend   kernels/: compiled linears that read each weight format's own bytes, attention over the
+                   cache's stored format, a Llama block of a decode step as one compiled call, warm-up
+
+Each offers the same few things to the model: `ops_for(n_rows)`, the functions a pass of that many rows runs
+(linear, rmsnorm, layernorm, apply_rope, swiglu, gelu_tanh, attention, paged_attention); `prefill_chunk`, how
+many prompt tokens one pass takes; `decode_blocks(model, x, segment)`, the fused block when `fuses` says so; and
+`warm_up`, compiling what a model and a cache format need before the first request.
+"""
+from __future__ import annotations
+
+import weakref
+import numpy as np
+
+from . import ops
+from .kv_cache import ContiguousKVCache, attention_inputs
+from .quant import QuantizedWeight, round_activations
+
+BACKENDS = ("numba", "numpy")
+
+
+class NumpyOps:
+    """ops.py for a model's weights and caches: quantized weights and stored K/V are made float32 first."""
+    rmsnorm, layernorm, swiglu = staticmethod(ops.rmsnorm), staticmethod(ops.layernorm), staticmethod(ops.swiglu)
+    gelu_tanh, apply_rope = staticmethod(ops.gelu_tanh), staticmethod(ops.apply_rope)
+
+    @staticmethod
+    def linear(x: np.ndarray, w, b: np.ndarray | None = None, int8_inputs: bool = False) -> np.ndarray:
+        """ops.linear on a weight of any format. With int8_inputs (activations="int8") a quantized weight's input
+        is rounded to int8 blocks first, as the kernels round it; float32 weights always take x as it is."""
+        if isinstance(w, QuantizedWeight):
+            if int8_inputs:
+                x = round_activations(x)                    # [T, I], each value now int8 * its block's scale
+            w = w.dequantize()                              # [O, I] float32
+        return ops.linear(x, w, b)
+
+    @staticmethod
+    def attention(q: np.ndarray, k, v, start: int) -> np.ndarray:
+        """ops.attention over K and V in any stored format (kv_cache.attention_inputs). -> [T, H*Dh]"""
+        return ops.attention(*attention_inputs(q, k, v), start)
+
+    @staticmethod
+    def paged_attention(q, k_blocks, v_blocks, block_tables, context_lens) -> np.ndarray:
+        """ops.paged_attention over blocks in any stored format. -> [B, H*Dh]"""
+        return ops.paged_attention(q, k_blocks, v_blocks, block_tables, context_lens, attend=NumpyOps.attention)
+
+
+class NumpyBackend:
+    name = "numpy"
+    prefill_chunk = 0                   # a prompt in one pass: one big matmul per weight
+
+    def ops_for(self, n_rows: int):
+        return NumpyOps
+
+    def fuses(self, n_rows: int) -> bool:
+        return False                    # every block runs op by op, steppable
+
+    def warm_up(self, model, kv_dtype: str = "float32") -> float:
+        return 0.0
+
+    def warm_up_paged(self, model, kv_dtype: str = "float32") -> float:
+        return 0.0
+
+
+class NumbaBackend:
+    """The kernels of kernels/: which of them a pass of n rows runs is kernels.for_rows' rule (dispatch.py). What
+    the fused block takes of each layer's weights and of each cache is prepared once and kept here, keyed weakly,
+    so a cache or a draft model that goes away leaves nothing behind."""
+    name = "numba"
+
+    def __init__(self):
+        from . import kernels           # imports numba: only a model that runs on it pays for that
+        self.kernels = kernels
+        self.prefill_chunk = kernels.PREFILL_CHUNK      # a longer prompt goes in chunks: each stays in the kernels
+        self._layer_operands = weakref.WeakKeyDictionary()    # LayerWeights -> what the fused block takes of it
+        self._last_layers = ((), [])                          # (the layers of the last step, their operands)
+        self._cache_operands = weakref.WeakKeyDictionary()    # cache -> per layer, what it takes of K and V
+        self._paged_kv_dtypes = set()                          # the pool formats warmed up for
+
+    def ops_for(self, n_rows: int):
+        return self.kernels.for_rows(n_rows)
+
+    def fuses(self, n_rows: int) -> bool:
+        return n_rows <= self.kernels.FUSED_ROWS
+
+    def decode_blocks(self, model, x: np.ndarray, start: int, cache: ContiguousKVCache) -> None:
+        """Every block of `model` for the few new tokens x [T, D] (updated in place) at positions start.., one
+        compiled call per layer with no Python between the kernels (block.py); tests/test_model.py checks it
+        against the op-by-op blocks."""
+        c, T = model.config, x.shape[0]
+        last, weights = self._last_layers               # (a draft may share this backend with other layers)
+        if len(last) != len(model.layers) or any(a is not b for a, b in zip(last, model.layers)):
+            known = self._layer_operands
+            weights = [known.get(layer) or known.setdefault(layer, self.kernels.block_weights(layer))
+                       for layer in model.layers]
+            self._last_layers = tuple(model.layers), weights
+        caches = self._cache_operands.get(cache)
+        if caches is None or len(caches) != len(weights):
+            caches = self._cache_operands[cache] = [self.kernels.cache_operands(cache.k[i], cache.v[i], c.n_heads)
+                                                    for i in range(len(weights))]
+        cos, sin = model.rope_cos[start:start + T], model.rope_sin[start:start + T]   # [T, Dh/2] each
+        self.kernels.decode_blocks(x, weights, caches, start, cos, sin, c.n_heads, c.norm_eps, model.int8_inputs)
+
+    def warm_up(self, model, kv_dtype: str = "float32") -> float:
+        """Compile (or load from Numba's disk cache) the kernels of this model's weight formats, activations setting
+        and a cache of kv_dtype, so that no step pays for it (a no-op for what is warm already). -> seconds"""
+        blocks = {type(w) for layer in model.layers for w in (layer.wqkv, layer.wo, layer.w_in, layer.w_out)}
+        heads = (model.config.head_dim, model.config.kv_mul)          # what attention compiles code for
+        return self.kernels.warmup(blocks, {type(model.lm_head)}, model.int8_inputs, model.has_fusable_blocks,
+                                   kv_dtype, heads)
+
+    def warm_up_paged(self, model, kv_dtype: str = "float32") -> float:
+        """What a batch over a paged pool of kv_dtype needs: the batched attention kernel, the batch's linears."""
+        if kv_dtype in self._paged_kv_dtypes:
+            return 0.0
+        self._paged_kv_dtypes.add(kv_dtype)
+        return self.kernels.warmup_paged(kv_dtype, (model.config.head_dim, model.config.kv_mul))
+
+
+def make_backend(name: str):
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
+    return NumbaBackend() if name == "numba" else NumpyBackend()
+
