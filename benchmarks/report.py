@@ -6,9 +6,9 @@
 Every benchmark saves its measurements with `write_json(name, data)`: benchmarks/<name>.<cpu kind>.json, the
 machine (CPU, instruction set, versions) recorded inside, one file per kind of CPU, so that an AVX2-only run does
 not overwrite an AVX-512 VNNI one. A file named benchmarks/<name>.json was written before the scripts recorded the
-instruction set; it is used while no file of a known kind exists for that benchmark. A section whose file is
-missing says which command to run. The README's figures sit between `<!-- report:NAME -->` and
-`<!-- /report:NAME -->` and come from the same files. Nothing here measures anything.
+instruction set (on AVX-512 VNNI machines, by the notes of the time); it is shown until a file of that kind
+replaces it. A section whose file is missing says which command to run. The README's figures sit between
+`<!-- report:NAME -->` and `<!-- /report:NAME -->` and come from the same files. Nothing here measures anything.
 """
 from __future__ import annotations
 
@@ -108,16 +108,17 @@ def kind_of(data) -> str:
 
 
 def load(name: str) -> list[tuple[str, dict]]:
-    """[(cpu kind, data)] for a benchmark: the files of known kinds, or else the old unkinded file."""
+    """[(cpu kind, data)] for a benchmark: the files of known kinds, and the old unkinded file (measured on
+    AVX-512 VNNI machines before the kind was recorded) until an AVX-512 VNNI file replaces it."""
     found = []
     for path in sorted(HERE.glob(f"{name}.*.json")):
         if path.name.count(".") == 2:                              # name.kind.json, not name_other.json
             data = json.loads(path.read_text())
             found.append((kind_of(data), data))
-    if not found and (HERE / f"{name}.json").exists():
+    if all(kind != "AVX-512 VNNI" for kind, _ in found) and (HERE / f"{name}.json").exists():
         data = json.loads((HERE / f"{name}.json").read_text())
         found.append((kind_of(data if isinstance(data, dict) else {}), data))
-    order = {"AVX-512 VNNI": 0, "AVX2": 1}
+    order = {UNRECORDED: 0, "AVX-512 VNNI": 0, "AVX2": 1}
     return sorted(found, key=lambda kd: order.get(kd[0], 2))
 
 
@@ -573,8 +574,9 @@ def machines() -> list[str]:
             seen.setdefault(kind, set()).add(line or "the machine not recorded in the file")
     out = []
     for kind, lines in seen.items():
-        note = (" (files written before the scripts recorded the CPU's instruction set; a new run records it)"
-                if kind == UNRECORDED else "")
+        note = "" if kind != UNRECORDED else (
+            " (files written before the scripts recorded the CPU's instruction set, from runs on AVX-512 VNNI "
+            "machines by the notes of the time; a run on such a machine replaces them)")
         out.append(f"- {kind}{note}: " + "; ".join(sorted(lines)))
     return out
 
@@ -586,7 +588,8 @@ def results_page() -> str:
            "command, then `python benchmarks/report.py`. The machines: shared 2-core VMs whose speed drifts by "
            "tens of percent from minute to minute, so the scripts interleave what they compare and report "
            "medians; compare ratios within a table, not absolute figures across tables. Where files of more than "
-           "one kind of CPU exist, a cell holds each kind's figure, in the order the table's first column names them (one figure where they agree).",
+           "one kind of CPU exist, a cell holds each kind's figure, in the order the table's first column names "
+           "them (one figure where they agree).",
            ""] + machines() + [""]
     for section in SECTIONS:
         out += section() + [""]
