@@ -191,7 +191,7 @@ def cells(line: str) -> list[str]:
 
 def side_by_side(kinds: list[str], bodies: list[list[str]]) -> list[str]:
     """Several kinds' renderings of one section as one: equal lines once, differing prose once per kind, and each
-    table once with its rows matched by their left-aligned (key) columns, a cell "a / b" where the kinds differ."""
+    table once with its rows matched by their left-aligned (key) columns, a cell "a · b" where the kinds differ."""
     parts = [blocks(b) for b in bodies]
     shapes = [[len(b) > 1 or b[0].startswith("|") for b in p] for p in parts]
     if any(s != shapes[0] for s in shapes):                        # not the same layout: one after the other
@@ -217,9 +217,9 @@ def side_by_side(kinds: list[str], bodies: list[list[str]]) -> list[str]:
                     row.append(key[keys.index(i)])
                     continue
                 values = ["-" if p is None or i >= len(p) else p[i] for p in per]
-                row.append(values[0] if len(set(values)) == 1 else " / ".join(values))
+                row.append(values[0] if len(set(values)) == 1 else " · ".join(values))
             merged.append(row)
-        head[0] = f"{head[0]} ({' / '.join(kinds)})"
+        head[0] = f"{head[0]} ({' · '.join(kinds)})"
         out += ["| " + " | ".join(head) + " |", group[0][1]] + ["| " + " | ".join(r) + " |" for r in merged]
     return out
 
