@@ -130,3 +130,31 @@ def test_links_point_to_files_that_exist():
             if not path.exists() or (anchor and path.suffix == ".md" and anchor not in anchors(path)):
                 broken.append(f"{page.relative_to(REPO)}: {target}")
     assert not broken, broken
+
+
+def report_module():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import report
+    return report
+
+
+def test_report_puts_two_cpu_kinds_side_by_side():
+    report = report_module()
+    one = ["`cmd`", "", "bandwidth 80 GB/s"] + report.table(["format", "tok/s", "MB"], [["fp32", "97", "538"]])
+    two = ["`cmd`", "", "bandwidth 28 GB/s"] + report.table(["format", "tok/s", "MB"], [["fp32", "45", "538"],
+                                                                                          ["int8", "120", "135"]])
+    assert report.side_by_side(["VNNI", "AVX2"], [one, two]) == [
+        "`cmd`", "", "**VNNI**: bandwidth 80 GB/s **AVX2**: bandwidth 28 GB/s",
+        "| format (VNNI · AVX2) | tok/s | MB |", "|---|---:|---:|",
+        "| fp32 | 97 · 45 | 538 |", "| int8 | - · 120 | - · 135 |"]
+
+
+def test_report_reads_each_cpu_kind_and_keeps_an_old_file_until_a_vnni_one_replaces_it(tmp_path, monkeypatch):
+    report = report_module()
+    monkeypatch.setattr(report, "HERE", tmp_path)
+    (tmp_path / "x.json").write_text('{"old": 1}')
+    (tmp_path / "x.avx2.json").write_text('{"machine": {"isa": "AVX2"}}')
+    assert [kind for kind, _ in report.load("x")] == [report.UNRECORDED, "AVX2"]
+    (tmp_path / "x.avx-512-vnni.json").write_text('{"machine": {"isa": "AVX-512 VNNI"}}')
+    assert [kind for kind, _ in report.load("x")] == ["AVX-512 VNNI", "AVX2"]
+    assert report.per_kind("y", "python benchmarks/y.py", None) == ["not measured yet: run `python benchmarks/y.py`"]
