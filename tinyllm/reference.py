@@ -231,3 +231,16 @@ def generate(config: ModelConfig, weights: dict, prompt_ids, max_new_tokens=32, 
             break
         next_logits = decode_step(config, weights, token, cache)   # [V]
     return out
+
+
+if __name__ == "__main__":              # python -m tinyllm.reference "The capital of France is"
+    import sys
+
+    from . import hub
+    from .weights import load_checkpoint
+
+    config, flat, tokenizer, _ = load_checkpoint(hub.ensure_default_model())
+    weights = plain_weights(config, flat)
+    prompt = tokenizer.encode(sys.argv[1] if len(sys.argv) > 1 else "The capital of France is")
+    new_ids = generate(config, weights, prompt, max_new_tokens=8)
+    print(repr(tokenizer.decode(prompt)), "->", repr(tokenizer.decode(new_ids)))
