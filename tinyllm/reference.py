@@ -101,21 +101,20 @@ def softmax(x, axis=-1):
 
 
 def attention(q, k, v, start):
-    """Causal attention with grouped-query heads: query head h reads KV head h // G.
+    """Causal attention with grouped-query heads: query head h reads KV head h // G, so G query heads share one K, V.
 
     q [T, H, Dh] at positions start .. start+T-1; k, v [S, KVH, Dh] at positions 0 .. S-1. -> [T, H*Dh]
-    Grouping q as [KVH, G, T, Dh] lets one matmul per KV head serve its G query heads: K and V are never copied.
     """
     T, H, Dh = q.shape
     S, KVH, _ = k.shape
-    G = H // KVH
-    qg = q.reshape(T, KVH, G, Dh).transpose(1, 2, 0, 3)            # [KVH, G, T, Dh]
-    kt = k.transpose(1, 2, 0)[:, None]                             # [KVH, 1, Dh, S]
-    scores = (qg @ kt) * np.float32(1.0 / np.sqrt(Dh))             # [KVH, G, T, S]
     visible = np.arange(S)[None, :] <= start + np.arange(T)[:, None]   # [T, S]: no token sees its future
-    probs = softmax(np.where(visible, scores, np.float32(-np.inf)))     # [KVH, G, T, S]
-    out = probs @ v.transpose(1, 0, 2)[:, None]                    # [KVH, G, T, Dh]
-    return out.transpose(2, 0, 1, 3).reshape(T, H * Dh)            # [T, H*Dh]
+    out = np.empty((T, H, Dh), dtype=np.float32)
+    for h in range(H):
+        kv = h // (H // KVH)                                           # the KV head this query head reads
+        scores = q[:, h] @ k[:, kv].T * np.float32(1.0 / np.sqrt(Dh))  # [T, S]: how well each query fits each key
+        probs = softmax(np.where(visible, scores, -np.inf))            # [T, S]: each row sums to 1
+        out[:, h] = probs @ v[:, kv]                                   # [T, Dh]: a mix of the values
+    return out.reshape(T, H * Dh)                                      # [T, H*Dh]
 
 
 def swiglu(x, w_in):
