@@ -77,9 +77,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        # validate sampling values before the (slower) model load, so a typo fails at once
-        tinyllm.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                               min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
+        # validate sampling and cache settings before the (slower) model load, so a typo fails at once
+        params = tinyllm.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
+        cache = tinyllm.CacheSpec(args.kv, args.kv_memory, args.kv_dtype)
         if args.threads is not None:
             tinyllm.set_threads(args.threads)
         t0 = time.perf_counter()
@@ -93,10 +94,7 @@ def main(argv=None) -> int:
             draft = make_draft(model, draft)
             draft_s = time.perf_counter() - t0
         chat = not args.raw and model.tokenizer.chat_template is not None
-        kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                      top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                      seed=args.seed, stop=args.stop, chat=chat, kv=args.kv, kv_memory=args.kv_memory,
-                      kv_dtype=args.kv_dtype,
+        kwargs = dict(max_new_tokens=args.max_new_tokens, params=params, cache=cache, stop=args.stop, chat=chat,
                       speculative=draft, num_draft=args.num_draft, ignore_eos=args.ignore_eos)
         if args.json:
             res = tinyllm.generate(model, args.prompt, **kwargs)

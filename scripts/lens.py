@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np  # noqa: E402
 
 import tinyllm  # noqa: E402
-from tinyllm.generate import prompt_ids  # noqa: E402
+from tinyllm.requests import prompt_ids  # noqa: E402
 from tinyllm.trace import Trace  # noqa: E402
 
 

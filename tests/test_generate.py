@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import tinyllm
-from tinyllm.generate import StopStrings, end_token_ids
+from tinyllm.requests import StopStrings, end_token_ids
 
 from tiny_gguf import tiny_llama
 

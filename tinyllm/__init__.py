@@ -14,12 +14,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from .config import ModelConfig
-from .generate import GenerationResult, GenerationStats, generate, stream
+from .generate import CacheSpec, GenerationResult, GenerationStats, generate, stream
 from .model import Transformer
 from .sampling import SamplingParams
 from .threads import set_threads
 
-__all__ = ["load", "generate", "stream", "set_threads", "Transformer", "ModelConfig", "SamplingParams",
+__all__ = ["load", "generate", "stream", "set_threads", "Transformer", "ModelConfig", "SamplingParams", "CacheSpec",
            "GenerationResult", "GenerationStats"]
 
 

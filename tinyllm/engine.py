@@ -13,9 +13,10 @@ fork the prompt's blocks and split them by copy-on-write). Two policies, for com
 "continuous" refills free slots between steps (Orca, Yu et al. OSDI 2022: iteration-level scheduling; vLLM),
 "static" admits a batch and runs it until its longest member finishes. Left out: swapping KV to host memory
 (preemption is by recompute), priorities and fairness, beam search, speculative decoding. The scheduler and
-the request types are in scheduler.py. The HTTP server
-(server.py) drives one Engine from one thread. History is bounded (`history` finished requests and steps are
-kept for `metrics()`); `counters` are cumulative over the engine's life.
+the request types are in scheduler.py; a request's checks and its text (end tokens, stop strings) are
+requests.py's, shared with generate.py. The HTTP server (server/) drives one Engine from one thread. History
+is bounded (`history` finished requests and steps are kept for `metrics()`); `counters` are cumulative over the
+engine's life.
 """
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from .generate import StopStrings, as_token_ids, end_token_ids
 from .paged import PagedKVCache, SequenceCache
+from .requests import (StopStrings, TextOutput, as_sampling_params, as_token_ids, check_prompt_ids, end_token_ids,
+                       positive_int)
 from .sampling import SamplingParams, log_softmax, sample
 from .scheduler import POLICIES, Request, RequestMetrics, RequestOutput, Scheduler, pool_name  # noqa: F401
 
@@ -101,27 +103,19 @@ class Engine:
             raise ValueError(f"request id must be a non-empty string, got {request_id!r}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_ids = as_token_ids(prompt_ids, "prompt_ids")
-        if not prompt_ids:
-            raise ValueError("the prompt is empty: give at least one token")
         V = self.model.config.vocab_size
-        if any(not 0 <= i < V for i in prompt_ids):
-            raise ValueError(f"prompt has token ids outside the vocabulary (0 .. {V - 1})")
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise ValueError(f"invalid max_tokens={max_tokens!r}: must be an integer >= 1")
-        if params is not None and not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        stop = StopStrings(stop)                                  # validated: non-empty strings
-        if stop.strings and self.model.tokenizer is None:
-            raise ValueError("stop strings need a model with a tokenizer")
+        prompt_ids = check_prompt_ids(as_token_ids(prompt_ids, "prompt_ids"), V)
+        positive_int(max_tokens, "max_tokens")
+        params = as_sampling_params(params)
+        output = TextOutput(self.model.tokenizer, StopStrings(stop))
         if not isinstance(n, int) or not 1 <= n <= self.scheduler.max_num_seqs:
             raise ValueError(f"invalid n={n!r}: must be an integer in 1 .. max_num_seqs "
                              f"({self.scheduler.max_num_seqs}), since the samples run side by side")
         if logprobs is not None and (not isinstance(logprobs, int) or not 0 <= logprobs <= V):
             raise ValueError(f"invalid logprobs={logprobs!r}: must be an integer in 0 .. {V} (or None)")
         stop_token_ids = None if stop_token_ids is None else as_token_ids(stop_token_ids, "stop_token_ids")
-        req = Request(request_id, prompt_ids, params or SamplingParams(), max_tokens,
-                      frozenset(self._ends if stop_token_ids is None else stop_token_ids), stop,
+        req = Request(request_id, prompt_ids, params, max_tokens,
+                      frozenset(self._ends if stop_token_ids is None else stop_token_ids), output,
                       RequestMetrics(self.clock() if arrival_time is None else arrival_time),
                       logprobs=logprobs, group=request_id, forks=n - 1)
         capacity = self.pool.num_blocks * self.pool.block_size
@@ -134,8 +128,6 @@ class Engine:
             raise ValueError(f"request {request_id!r} needs up to {req.max_positions} positions, more than the "
                              f"model's context {self.model.config.context_length}")
         req.rng = req.params.make_rng()
-        if self.model.tokenizer is not None:
-            req.decoder = self.model.tokenizer.stream_decoder()
         self.requests[request_id] = req
         self.scheduler.waiting.append(req)
         return req
@@ -201,26 +193,22 @@ class Engine:
         child_id = f"{parent.request_id}/{index}"
         seed = parent.params.seed
         child = Request(child_id, parent.prompt_ids, parent.params, parent.max_tokens, parent.stop_token_ids,
-                        parent.stop, RequestMetrics(parent.metrics.arrival, parent.metrics.first_scheduled,
+                        TextOutput(self.model.tokenizer, parent.output.stops),
+                        RequestMetrics(parent.metrics.arrival, parent.metrics.first_scheduled,
                                        cached_tokens=parent.metrics.cached_tokens),
-                        status="running", num_computed=parent.num_computed, logprobs=parent.logprobs,
-                        group=parent.group, index=index)
+                        num_computed=parent.num_computed, logprobs=parent.logprobs, group=parent.group, index=index)
         child.rng = np.random.default_rng(None if seed is None else (seed, index))
-        if self.model.tokenizer is not None:
-            child.decoder = self.model.tokenizer.stream_decoder()
         self.pool.allocator.fork(pool_name(parent.request_id), pool_name(child_id))
         child.cache = SequenceCache(self.pool, pool_name(child_id))
         child.cache.length, child.cache.slots = parent.cache.length, parent.cache.slots.copy()
-        used = {r.slot for r in self.scheduler.running}
-        child.slot = next(s for s in range(len(used) + 1) if s not in used)
-        self.scheduler.running.append(child)
+        self.scheduler.add_running(child)
         parent.children.append(child)
         self.requests[child_id] = child
         return child
 
     def _accept(self, req: Request, token: int, now: float, logits: np.ndarray | None = None) -> RequestOutput:
         """Record a sampled token: stop conditions, text, timing. -> its event (text held back while it could
-        still be the start of a stop string, as in generate.py). logits ([V]): for the logprobs, if asked."""
+        still be the start of a stop string: requests.TextOutput). logits ([V]): for the logprobs, if asked."""
         m = req.metrics
         if m.first_token is None:
             m.first_token = now
@@ -241,17 +229,11 @@ class Engine:
             reason = "eos"
         else:
             req.output_ids.append(token)
-            if req.decoder is not None:
-                req.text += req.decoder.feed(token)
-                hit = req.stop.find(req.text)
-                if hit >= 0:                                      # cut before the stop string
-                    req.text, reason = req.text[:hit], "stop_string"
-            if reason is None and len(req.output_ids) >= req.max_tokens:
+            if req.output.add(token):                             # the text is cut before the stop string
+                reason = "stop_string"
+            elif len(req.output_ids) >= req.max_tokens:
                 reason = "length"
-        if reason in ("eos", "length") and req.decoder is not None:
-            req.text += req.decoder.flush()
-        safe = len(req.text) if reason else req.stop.safe_length(req.text)
-        piece, req.shown = req.text[req.shown:safe], max(req.shown, safe)
+        piece = req.output.close() if reason else req.output.take()
         if reason is not None:
             req.finish_reason = reason
             self._finish(req, now)

@@ -5,17 +5,20 @@
 
 It stops at an end-of-sequence token, a stop string, `max_new_tokens`, or the end of the model's context,
 and measures what a serving engineer reads first: time to first token, prefill and decode tokens/s, and
-the inter-token latencies. `stream` yields text as it is decoded; `generate` collects everything.
+the inter-token latencies. `stream` yields text as it is decoded; `generate` collects everything. How to
+sample is a SamplingParams (sampling.py), where K/V live a CacheSpec; the prompt's checks, the end tokens and
+the text with its stop strings are requests.py's, shared with the engine.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Iterator, Sequence
 
 import numpy as np
 
 from .kv_cache import check_kv_dtype
+from .requests import StopStrings, TextOutput, as_sampling_params, check_room, end_token_ids, positive_int, prompt_ids
 from .sampling import SamplingParams, sample
 
 FINISH_REASONS = ("eos", "stop_string", "length", "context")
@@ -91,30 +94,52 @@ class Stream:
         return self._holder[0]
 
 
-def stream(model, prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
-           top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0, seed: int | None = None,
-           stop: Sequence[str] = (), chat: bool = False, speculative=None, num_draft: int = 4,
-           kv: str = "contiguous", kv_memory: str | int | None = None, ignore_eos: bool = False,
-           trace=None, kv_dtype: str = "float32") -> Stream:
+# stream()'s keyword form: SamplingParams' fields, and CacheSpec's under the names the keywords have always had
+SAMPLING_KEYWORDS = tuple(f.name for f in fields(SamplingParams))    # temperature, top_k, ..., seed
+CACHE_KEYWORDS = {"kv": "kind", "kv_memory": "kv_memory", "kv_dtype": "kv_dtype"}
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Where one generation keeps its K and V (checked when made).
+
+    kind: "contiguous" (one array reserved for the whole generation) or "paged" (blocks taken as the sequence
+    grows, paged.py); both give the same tokens. kv_memory ("64MiB", bytes): with "paged", the pool's budget; a
+    request that could outgrow it is refused before any work. kv_dtype: "float32", "float16" (half the memory)
+    or "int8" (about a quarter; kv_cache.py); the values are rounded once, when stored.
+    """
+    kind: str = "contiguous"
+    kv_memory: str | int | None = None
+    kv_dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.kind not in KV_CHOICES:
+            raise ValueError(f"unknown kv {self.kind!r}; choose one of: {', '.join(KV_CHOICES)}")
+        if self.kv_memory is not None and self.kind != "paged":
+            raise ValueError("kv_memory sizes the paged pool: use it with kv='paged'")
+        object.__setattr__(self, "kv_dtype", check_kv_dtype(self.kv_dtype))   # np.float16 -> "float16"
+
+
+def stream(model, prompt, max_new_tokens: int = 256, *, params: SamplingParams | None = None,
+           cache: CacheSpec | None = None, stop: Sequence[str] = (), chat: bool = False, ignore_eos: bool = False,
+           speculative=None, num_draft: int = 4, trace=None, **settings) -> Stream:
     """Generate from `prompt` and yield text pieces as they decode (never half a UTF-8 character).
 
     prompt: a string (used as is, or wrapped in the model's chat template if `chat=True`), a list of chat
     messages ({"role", "content"} dicts, always templated), or a list of token ids.
-    kv: "contiguous" (one array reserved for the whole generation) or "paged" (blocks taken as the
-    sequence grows, paged.py); both give the same tokens. kv_memory ("64MiB", bytes): with kv="paged", the
-    pool's budget; a request that could outgrow it is refused before any work.
-    kv_dtype: how the cache stores K and V: "float32", "float16" (half the memory) or "int8" (about a quarter;
-    kv_cache.py); the values are rounded once, when stored.
+    params: how to sample (SamplingParams; greedy by default), or its fields as keywords: temperature, top_k,
+    top_p, min_p, repetition_penalty, seed.
+    cache: where K and V live (CacheSpec; a contiguous float32 cache by default), or as keywords: kv (its kind),
+    kv_memory, kv_dtype.
+    stop: strings that end the generation; the text is cut before them, and no piece of one is ever yielded.
     ignore_eos: keep generating past the end-of-sequence token (benchmarks use it for fixed output lengths).
     trace: True (or a trace.Trace, to choose layers, heads and the position cap) records what the model did
     inside, layer by layer, and every sampling stage; `result.trace` holds it. Same tokens, slower steps.
     speculative: a draft source ("self-q4", "self-int8", "layers:N", "ngram", "draft=PATH", or an object from
     speculative.make_draft) to draft `num_draft` tokens per target pass; the output distribution is unchanged.
     """
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                            repetition_penalty=repetition_penalty, seed=seed)
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-        raise ValueError(f"invalid max_new_tokens={max_new_tokens!r}: must be an integer >= 1")
+    params, cache = _settings(params, cache, settings)
+    positive_int(max_new_tokens, "max_new_tokens")
     stops = StopStrings(stop)
     if trace is True:
         from .trace import Trace
@@ -123,17 +148,30 @@ def stream(model, prompt, max_new_tokens: int = 256, temperature: float = 0.0, t
         if trace is not None:
             raise ValueError("trace follows plain decoding: drop speculative=... to trace a run")
         from .speculative import make_draft
-        if not isinstance(num_draft, int) or isinstance(num_draft, bool) or num_draft < 1:
-            raise ValueError(f"invalid num_draft={num_draft!r}: must be an integer >= 1")
+        num_draft = positive_int(num_draft, "num_draft")
         speculative = (make_draft(model, speculative), num_draft)
-    if kv not in KV_CHOICES:
-        raise ValueError(f"unknown kv {kv!r}; choose one of: {', '.join(KV_CHOICES)}")
-    if kv_memory is not None and kv != "paged":
-        raise ValueError("kv_memory sizes the paged pool: use it with kv='paged'")
-    kv_dtype = check_kv_dtype(kv_dtype)
     holder: list = []
-    return Stream(_run(model, prompt, params, max_new_tokens, stops, chat, holder, speculative,
-                       (kv, kv_memory, kv_dtype), ignore_eos, trace), holder)
+    return Stream(_run(model, prompt, params, max_new_tokens, stops, chat, holder, speculative, cache, ignore_eos,
+                       trace), holder)
+
+
+def _settings(params, cache, keywords: dict) -> tuple[SamplingParams, CacheSpec]:
+    """stream()'s two ways of saying how to sample and where K/V live: the objects, or their fields as keywords
+    (not both for the same one)."""
+    sampling = {k: keywords.pop(k) for k in SAMPLING_KEYWORDS if k in keywords}
+    caching = {k: keywords.pop(k) for k in CACHE_KEYWORDS if k in keywords}            # by stream()'s names
+    if keywords:
+        raise TypeError(f"stream() got an unexpected keyword argument {next(iter(keywords))!r}")
+    if params is not None and sampling:
+        raise ValueError(f"give sampling settings as params=SamplingParams(...) or as keywords, not both "
+                         f"(got params and {', '.join(sampling)})")
+    if cache is not None and caching:
+        raise ValueError(f"give the cache as cache=CacheSpec(...) or as keywords, not both (got cache and "
+                         f"{', '.join(caching)})")
+    if cache is not None and not isinstance(cache, CacheSpec):
+        raise ValueError(f"cache must be a CacheSpec, got {type(cache).__name__}")
+    params = SamplingParams(**sampling) if params is None else as_sampling_params(params)
+    return params, CacheSpec(**{CACHE_KEYWORDS[k]: v for k, v in caching.items()}) if cache is None else cache
 
 
 def generate(model, prompt, **kwargs) -> GenerationResult:
@@ -145,55 +183,12 @@ def generate(model, prompt, **kwargs) -> GenerationResult:
     return s.result
 
 
-def prompt_ids(model, prompt, chat: bool = False) -> list[int]:
-    """Token ids for a prompt given as text, chat messages, or ids (checked against the vocabulary)."""
-    tok = model.tokenizer
-    if isinstance(prompt, str):
-        _check_fits(model, [prompt])
-        ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
-    elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-        _check_fits(model, [m.get("content") for m in prompt if isinstance(m.get("content"), str)])
-        ids = tok.encode_chat(list(prompt))
-    else:
-        ids = as_token_ids(prompt)
-    if not ids:
-        raise ValueError("the prompt is empty: give at least one token")
-    V = model.config.vocab_size
-    if any(not 0 <= i < V for i in ids):
-        raise ValueError(f"prompt has token ids outside the vocabulary (0 .. {V - 1})")
-    return ids
-
-
-def _check_fits(model, texts: list[str]) -> None:
-    """Refuse, before encoding, text whose byte length alone proves it cannot fit the context (encoding a
-    long text costs seconds; see Tokenizer.min_tokens)."""
-    ctx = model.config.context_length
-    at_least = sum(model.tokenizer.min_tokens(t) for t in texts)
-    if at_least >= ctx:
-        raise ValueError(f"the prompt has at least {at_least} tokens ({sum(len(t.encode()) for t in texts):,} bytes, "
-                         f"at most {model.tokenizer.max_token_bytes} per token) but the model's context is {ctx}: "
-                         f"shorten it")
-
-
-def as_token_ids(values, what: str = "prompt") -> list[int]:
-    """Token ids given as a list / tuple / range / 1-D array of integers: never text, floats, bools or a bare
-    number (`42` or `[5.9]` is a mistake, not a prompt). -> list[int]; ValueError naming `what` otherwise."""
-    if isinstance(values, np.ndarray) and values.ndim == 1 and values.dtype.kind in "iu":
-        return values.tolist()
-    if isinstance(values, (list, tuple, range)) and all(
-            isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in values):
-        return [int(i) for i in values]
-    raise ValueError(f"{what} must be text, a list of chat messages, or a list of integer token ids; got "
-                     f"{type(values).__name__} {str(values)[:40]!r}" if what == "prompt" else
-                     f"{what} must be a list of integer token ids; got {type(values).__name__} {str(values)[:40]!r}")
-
-
-def new_cache(model, max_seq_len: int, kv: str = "contiguous", kv_memory: str | int | None = None,
-              kv_dtype: str = "float32"):
-    """A KV cache for one generation storing K/V as kv_dtype: a contiguous reservation, or a sequence in a paged
-    pool (just big enough, or of `kv_memory` bytes; a budget that cannot hold max_seq_len positions is refused
-    here, before any work)."""
-    if kv == "contiguous":
+def new_cache(model, max_seq_len: int, spec: CacheSpec = CacheSpec()):
+    """A KV cache for one generation as `spec` says: a contiguous reservation, or a sequence in a paged pool (just
+    big enough, or of `spec.kv_memory` bytes; a budget that cannot hold max_seq_len positions is refused here,
+    before any work)."""
+    kv_memory, kv_dtype = spec.kv_memory, spec.kv_dtype
+    if spec.kind == "contiguous":
         return model.new_cache(max_seq_len, kv_dtype)
     from .paged import PagedKVCache
     if kv_memory is None:
@@ -213,38 +208,6 @@ def new_cache(model, max_seq_len: int, kv: str = "contiguous", kv_memory: str | 
     return pool.new_sequence()
 
 
-def end_token_ids(tokenizer) -> set[int]:
-    """Ids that end a generation: the eos token, and `<|endoftext|>` when the vocabulary has it."""
-    ends = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()
-    ends |= {i for i in tokenizer.special_ids if tokenizer.id_to_bytes(i) == b"<|endoftext|>"}
-    return ends
-
-
-class StopStrings:
-    """Stop strings, checked against a growing text: where to cut it, and how much of it may be shown yet."""
-
-    def __init__(self, stop: str | Sequence[str] = ()):
-        stop = [stop] if isinstance(stop, str) else list(stop)
-        if any(not isinstance(s, str) or not s for s in stop):
-            raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
-        self.strings = tuple(stop)
-
-    def find(self, text: str) -> int:
-        """Where the earliest stop string in `text` begins (the text is cut there), or -1."""
-        return min((i for i in (text.find(s) for s in self.strings) if i >= 0), default=-1)
-
-    def safe_length(self, text: str) -> int:
-        """How much of `text` can be shown: all but the trailing characters that could still grow into a stop
-        string."""
-        hold = 0
-        for s in self.strings:
-            for n in range(min(len(s) - 1, len(text)), 0, -1):
-                if text.endswith(s[:n]):
-                    hold = max(hold, n)
-                    break
-        return len(text) - hold
-
-
 def _plain_tokens(model, ids: list[int], cache, logits, params: SamplingParams, rng, trace=None) -> Iterator[int]:
     """Plain decoding: sample a token, feed it back through the model, repeat; one token per model pass."""
     history = list(ids)          # for the repetition penalty
@@ -259,19 +222,17 @@ def _plain_tokens(model, ids: list[int], cache, logits, params: SamplingParams, 
 
 
 def _run(model, prompt, params: SamplingParams, max_new_tokens: int, stops: StopStrings, chat: bool,
-         holder: list, speculative=None, kv=("contiguous", None, "float32"), ignore_eos: bool = False,
+         holder: list, speculative=None, spec: CacheSpec = CacheSpec(), ignore_eos: bool = False,
          trace=None) -> Iterator[str]:
     t_start = time.perf_counter()
     tok = model.tokenizer
     ids = prompt_ids(model, prompt, chat)
     ctx = model.config.context_length
-    if len(ids) >= ctx:
-        raise ValueError(f"the prompt has {len(ids)} tokens but the model's context is {ctx}: shorten it "
-                         f"(at least one position must be left to generate into)")
+    check_room(ids, ctx)
     rng = params.make_rng()
     ends = set() if ignore_eos else end_token_ids(tok)
     stats = GenerationStats(prompt_tokens=len(ids))
-    cache = new_cache(model, min(ctx, len(ids) + max_new_tokens), *kv)
+    cache = new_cache(model, min(ctx, len(ids) + max_new_tokens), spec)
     stats.kv_bytes_per_token = cache.bytes_per_token
 
     # --- prefill: the whole prompt (model.prefill: in chunks past 128 tokens) -> logits for the first new token
@@ -287,9 +248,8 @@ def _run(model, prompt, params: SamplingParams, max_new_tokens: int, stops: Stop
         stats.speculative = SpeculativeStats(source=draft.name, num_draft=k)
         tokens = speculative_tokens(model, draft, ids, cache, logits, params, rng, k, max_new_tokens,
                                     stats.speculative)
-    decoder = tok.stream_decoder()
+    out = TextOutput(tok, stops)  # the text: decoded, cut before a stop string, shown once it cannot become one
     out_ids: list[int] = []
-    text, shown = "", 0          # all text decoded so far; how much of it has been yielded
     finish = "length"
     t_prev = None
     for next_id in tokens:
@@ -303,15 +263,12 @@ def _run(model, prompt, params: SamplingParams, max_new_tokens: int, stops: Stop
             finish = "eos"
             break
         out_ids.append(next_id)
-        text += decoder.feed(next_id)
-        hit = stops.find(text)
-        if hit >= 0:                                                     # cut before the stop string
-            text, finish = text[:hit], "stop_string"
+        if out.add(next_id):                                             # the text is cut before the stop string
+            finish = "stop_string"
             break
-        safe = stops.safe_length(text)
-        if safe > shown:
-            yield text[shown:safe]
-            shown = safe
+        piece = out.take()
+        if piece:
+            yield piece
         if len(out_ids) >= max_new_tokens:
             break
         if cache.length >= ctx:
@@ -319,10 +276,9 @@ def _run(model, prompt, params: SamplingParams, max_new_tokens: int, stops: Stop
             break
         # --- decode: the next iteration runs the model (one token per pass, or a speculative round)
     stats.decode_s = sum(stats.itl_s)
-    if finish != "stop_string":
-        text += decoder.flush()
-    if len(text) > shown:
-        yield text[shown:]
+    rest = out.close()
+    if rest:
+        yield rest
     stats.generated_tokens = len(out_ids)
     stats.kv_cache_bytes = cache.nbytes          # read at the end: a paged sequence takes blocks as it grows
-    holder.append(GenerationResult(out_ids, text, ids, stats, finish, trace))
+    holder.append(GenerationResult(out_ids, out.text, ids, stats, finish, trace))

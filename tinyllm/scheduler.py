@@ -3,7 +3,8 @@
 A request waits, runs (its prompt in chunks, then one token per step) and finishes; the Scheduler owns the
 waiting and running queues and admits, chunks and preempts. Two policies: "continuous" refills free slots between
 steps (Orca, Yu et al. OSDI 2022: iteration-level scheduling; vLLM), "static" admits a batch and runs it until its
-longest member finishes. It decides only: engine.py runs the steps it plans.
+longest member finishes. It decides only (and alone gives running requests their batch slots): engine.py runs
+the steps it plans.
 """
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .generate import StopStrings
 from .paged import OutOfBlocks, PagedKVCache, SequenceCache
+from .requests import TextOutput
 from .sampling import SamplingParams
 
 POLICIES = ("continuous", "static")
@@ -69,23 +70,25 @@ class Request:
     params: SamplingParams
     max_tokens: int
     stop_token_ids: frozenset
-    stop: StopStrings
+    output: TextOutput               # the output's text, its stop strings, what events have sent of it
     metrics: RequestMetrics
     output_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    shown: int = 0                   # characters of text already sent in events
     status: str = "waiting"          # waiting -> running (-> waiting if preempted) -> finished
     finish_reason: str | None = None # "eos", "stop_string", "length", "abort"
     num_computed: int = 0            # leading tokens of all_ids whose K/V are in the cache
     cache: SequenceCache | None = None
     slot: int | None = None          # batch slot while running (for timelines)
     rng: np.random.Generator | None = None
-    decoder: object = None
     logprobs: int | None = None      # None: no logprobs; k >= 0: the sampled token's and the k most likely
     group: str = ""                  # the caller's request id; samples forked from it share it (see `index`)
     index: int = 0                   # which of the group's n samples this is (0: the request itself)
     forks: int = 0                   # samples still to fork from this one when its prompt is done (n - 1)
     children: list = field(default_factory=list)   # the Requests forked from this one
+
+    @property
+    def text(self) -> str:
+        """The output's text so far (cut before a stop string, if one was hit)."""
+        return self.output.text
 
     @property
     def all_ids(self) -> list[int]:
@@ -200,10 +203,19 @@ class Scheduler:
         if req.metrics.first_scheduled is None:
             req.metrics.first_scheduled = now
             req.metrics.cached_tokens = req.num_computed
-        req.status = "running"
-        used = {r.slot for r in self.running}
-        req.slot = next(s for s in range(len(used) + 1) if s not in used)
+        req.status, req.slot = "running", self._free_slot()
         return True
+
+    def _free_slot(self) -> int:
+        """The lowest batch slot no running request holds (slots only label rows of timelines)."""
+        used = {r.slot for r in self.running}
+        return next(s for s in range(len(used) + 1) if s not in used)
+
+    def add_running(self, req: Request) -> None:
+        """Run `req` from the next step on, in a free slot: a request that already holds its KV blocks (a sample
+        forked from another, engine.py), so admission has nothing to allocate."""
+        req.status, req.slot = "running", self._free_slot()
+        self.running.append(req)
 
     def _reserve(self, req: Request, n: int, preempt: bool = True) -> bool:
         """Make room for n more tokens of a running request, preempting the newest others if needed."""

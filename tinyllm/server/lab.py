@@ -31,7 +31,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from .. import capacity
-from ..generate import generate
+from ..generate import CacheSpec, generate
 from ..trace import Trace
 from .protocol import APIError
 
@@ -131,14 +131,13 @@ def replay(engine, request_id: str) -> Replay:
     if not req.params.greedy and req.params.seed is None:
         raise APIError(400, "a sampled request without a seed cannot be replayed (its draws are not repeatable): "
                             "set a seed and generate again", "request_id")
-    p = req.params
     positions = len(req.prompt_ids) + len(req.output_ids)
     if positions > MAX_REPLAY_POSITIONS:
         raise APIError(400, f"the request holds {positions} positions; the lab traces at most {MAX_REPLAY_POSITIONS} "
                             f"(a trace keeps every layer's q, k, v for each): inspect a shorter one", "request_id")
-    out = generate(engine.model, list(req.prompt_ids), max_new_tokens=len(req.output_ids), temperature=p.temperature,
-                   top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, repetition_penalty=p.repetition_penalty,
-                   seed=p.seed, ignore_eos=True, kv_dtype=engine.pool.kv_dtype, trace=Trace(max_positions=positions))
+    out = generate(engine.model, list(req.prompt_ids), max_new_tokens=len(req.output_ids), params=req.params,
+                   cache=CacheSpec(kv_dtype=engine.pool.kv_dtype), ignore_eos=True,
+                   trace=Trace(max_positions=positions))
     return Replay(engine.model, out.trace, len(req.prompt_ids), list(req.output_ids), list(out.token_ids))
 
 

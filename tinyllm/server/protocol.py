@@ -10,6 +10,7 @@ import numpy as np
 from starlette.responses import JSONResponse
 
 from ..engine import RequestOutput
+from ..requests import check_prompt_ids
 from ..sampling import SamplingParams
 
 FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "length": "length", "abort": "abort"}
@@ -162,10 +163,10 @@ def completion_prompt_ids(tokenizer, prompt) -> list[int]:
     if isinstance(prompt, str) and prompt:
         return tokenizer.encode(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
-        if not all(0 <= i < tokenizer.vocab_size for i in prompt):
-            raise APIError(400, f"prompt has token ids outside the vocabulary (0 .. {tokenizer.vocab_size - 1})",
-                           "prompt")
-        return list(prompt)
+        try:
+            return check_prompt_ids(list(prompt), tokenizer.vocab_size)
+        except ValueError as e:
+            raise APIError(400, str(e), "prompt") from None
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         raise APIError(400, "one prompt per request: send a string or a list of token ids (batches of prompts are "
                             "not supported; send them as separate requests)", "prompt")
