@@ -1,0 +1,231 @@
+"""A Hugging Face model directory as (ModelConfig, canonical named arrays, Tokenizer): config.json, model.safetensors
+(or shards with an index) and tokenizer.json, for Llama-family (incl. GQA, Mistral without sliding window) and GPT-2
+checkpoints. No pickle is ever read: .bin / .pt checkpoints are refused. Left out: RoPE scaling, MoE, and the
+weight names of other families (refused with a message).
+"""
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from .checkpoint import CheckpointError, check_shapes, config_number, model_config
+from .config import ModelConfig
+from .tokenizer import Tokenizer
+
+
+# --- safetensors ---------------------------------------------------------------------------------------------
+_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": "bf16", "F64": np.float64}
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """All tensors of a .safetensors file as float32 arrays.
+
+    The format: u64 header length, a JSON header {name: {dtype, shape, data_offsets: [begin, end]}}, then
+    raw little-endian data. Read here (not with the safetensors package) because numpy has no bfloat16:
+    bf16 is widened to fp32 by shifting its 16 bits into the top half of a 32-bit word.
+    """
+    with open(path, "rb") as f:
+        if f.seek(0, 2) < 8:
+            raise CheckpointError(f"{path}: file is truncated (no header); fetch it again")
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    (n,) = struct.unpack("<Q", buf[:8])
+    if 8 + n > len(buf):
+        raise CheckpointError(f"{path}: file is truncated in its header; fetch it again")
+    try:
+        header = json.loads(bytes(buf[8:8 + n]))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        raise CheckpointError(f"{path}: header is not valid JSON; not a safetensors file?") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header is a JSON {type(header).__name__}, not an object; not a "
+                              f"safetensors file?")
+    header.pop("__metadata__", None)
+    data_size = len(buf) - 8 - n
+    out = {}
+    for name, info in header.items():
+        dtype, shape, begin, end = _safetensors_entry(path, name, info)
+        if end > data_size:
+            raise CheckpointError(f"{path}: file is truncated in tensor {name!r}; fetch it again")
+        raw = np.frombuffer(buf, dtype=np.uint8, count=end - begin, offset=8 + n + begin)
+        itemsize = 2 if dtype == "bf16" else np.dtype(dtype).itemsize
+        if raw.size != math.prod(shape) * itemsize:
+            raise CheckpointError(f"{path}: tensor {name!r} has {raw.size} bytes for shape {shape} of {info['dtype']}")
+        if dtype == "bf16":
+            arr = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        else:
+            arr = raw.view(dtype).astype(np.float32)
+        out[name] = arr.reshape(shape)
+    return out
+
+
+def _safetensors_entry(path: Path, name: str, info) -> tuple:
+    """(dtype, shape, begin, end) of one header entry, every field checked; CheckpointError naming the tensor."""
+    def bad(what: str):
+        raise CheckpointError(f"{path}: tensor {name!r} has {what} in the header (file corrupt?)")
+
+    if not isinstance(info, dict):
+        bad(f"entry {info!r} instead of an object")
+    dtype = info.get("dtype")
+    if not isinstance(dtype, str) or dtype not in _ST_DTYPES:
+        raise CheckpointError(f"{path}: tensor {name!r} has dtype {dtype!r}; tinyllm reads "
+                              f"{', '.join(_ST_DTYPES)} safetensors")
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not (isinstance(shape, list) and len(shape) <= 8 and all(type(d) is int and 0 <= d < 1 << 40 for d in shape)):
+        bad(f"shape {shape!r}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):
+        bad(f"data_offsets {offsets!r}")
+    return _ST_DTYPES[dtype], tuple(shape), offsets[0], offsets[1]
+
+
+# --- Hugging Face directories --------------------------------------------------------------------------------
+def hf_config(cfg: dict, source: str) -> ModelConfig:
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{source}: config.json holds a JSON {type(cfg).__name__}, not an object")
+
+    def get(key, kind=int, default=None):
+        value = cfg.get(key)
+        if value is None:
+            if default is None:
+                raise CheckpointError(f"{source}: config.json has no {key!r}; it is incomplete")
+            value = default
+        return config_number(value, f"config.json {key!r}", source, kind)
+
+    def flag(key) -> bool:
+        value = cfg.get(key, False)
+        if not isinstance(value, (bool, type(None))):
+            raise CheckpointError(f"{source}: config.json {key!r} is {value!r}, expected true or false")
+        return bool(value)
+
+    model_type = cfg.get("model_type")
+    name = cfg.get("_name_or_path", "")
+    name = name if isinstance(name, str) else ""
+    if model_type in ("llama", "mistral"):
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise CheckpointError(f"{source}: config.json rope_scaling is {rope!r}, expected an object")
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise CheckpointError(f"{source}: RoPE scaling {rope_type!r} is not supported (only plain RoPE)")
+        if cfg.get("mlp_bias"):
+            raise CheckpointError(f"{source}: llama models with mlp_bias are not supported")
+        if cfg.get("sliding_window") and model_type == "mistral":
+            raise CheckpointError(f"{source}: sliding-window attention is not supported")
+        n_heads = get("num_attention_heads")
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        return model_config(
+            source, arch="llama", vocab_size=get("vocab_size"), dim=get("hidden_size"),
+            n_layers=get("num_hidden_layers"), n_heads=n_heads, n_kv_heads=get("num_key_value_heads", default=n_heads),
+            ffn_dim=get("intermediate_size"), context_length=get("max_position_embeddings", default=2048),
+            norm_eps=get("rms_norm_eps", float, 1e-6),
+            rope_theta=config_number(theta, "config.json 'rope_theta'", source, float),
+            tie_embeddings=flag("tie_word_embeddings"), attn_bias=flag("attention_bias"),
+            explicit_head_dim=get("head_dim") if cfg.get("head_dim") is not None else None, name=name,
+        )
+    if model_type == "gpt2":
+        act = cfg.get("activation_function", "gelu_new")
+        if act not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise CheckpointError(f"{source}: GPT-2 activation {act!r} is not supported (only gelu_new)")
+        D = get("n_embd")
+        return model_config(
+            source, arch="gpt2", vocab_size=get("vocab_size"), dim=D, n_layers=get("n_layer"), n_heads=get("n_head"),
+            n_kv_heads=get("n_head"), ffn_dim=get("n_inner", default=4 * D), context_length=get("n_positions"),
+            norm_eps=get("layer_norm_epsilon", float, 1e-5), tie_embeddings=True, attn_bias=True, name=name,
+        )
+    raise CheckpointError(f"{source}: model_type {model_type!r} is not supported (tinyllm runs llama, mistral "
+                          f"without sliding window, and gpt2)")
+
+
+def _hf_llama_names(raw: dict[str, np.ndarray], c: ModelConfig) -> dict[str, np.ndarray]:
+    w = {"tok_embed": raw["model.embed_tokens.weight"], "final_norm": raw["model.norm.weight"]}
+    if "lm_head.weight" in raw and not c.tie_embeddings:
+        w["lm_head"] = raw["lm_head.weight"]
+    for i in range(c.n_layers):
+        p, q = f"model.layers.{i}.", f"layers.{i}."
+        for hf, ours in [("input_layernorm.weight", "attn_norm"), ("post_attention_layernorm.weight", "ffn_norm"),
+                         ("self_attn.q_proj.weight", "wq"), ("self_attn.k_proj.weight", "wk"),
+                         ("self_attn.v_proj.weight", "wv"), ("self_attn.o_proj.weight", "wo"),
+                         ("mlp.gate_proj.weight", "w_gate"), ("mlp.up_proj.weight", "w_up"),
+                         ("mlp.down_proj.weight", "w_down"), ("self_attn.q_proj.bias", "bq"),
+                         ("self_attn.k_proj.bias", "bk"), ("self_attn.v_proj.bias", "bv"),
+                         ("self_attn.o_proj.bias", "bo")]:
+            if p + hf in raw:
+                w[q + ours] = raw[p + hf]
+    return w
+
+
+def _hf_gpt2_names(raw: dict[str, np.ndarray], c: ModelConfig) -> dict[str, np.ndarray]:
+    """GPT-2 stores its projections as Conv1D ([in, out]): transpose them to [out, in]; split the fused c_attn."""
+    raw = {k.removeprefix("transformer."): v for k, v in raw.items()}
+    w = {"tok_embed": raw["wte.weight"], "pos_embed": raw["wpe.weight"],
+         "final_norm": raw["ln_f.weight"], "final_norm_b": raw["ln_f.bias"]}
+    D = c.dim
+    for i in range(c.n_layers):
+        p, q = f"h.{i}.", f"layers.{i}."
+        qkv_w, qkv_b = raw[p + "attn.c_attn.weight"].T, raw[p + "attn.c_attn.bias"]   # [3D, D], [3D]
+        w.update({
+            q + "attn_norm": raw[p + "ln_1.weight"], q + "attn_norm_b": raw[p + "ln_1.bias"],
+            q + "wq": qkv_w[:D], q + "wk": qkv_w[D:2 * D], q + "wv": qkv_w[2 * D:],
+            q + "bq": qkv_b[:D], q + "bk": qkv_b[D:2 * D], q + "bv": qkv_b[2 * D:],
+            q + "wo": raw[p + "attn.c_proj.weight"].T, q + "bo": raw[p + "attn.c_proj.bias"],
+            q + "ffn_norm": raw[p + "ln_2.weight"], q + "ffn_norm_b": raw[p + "ln_2.bias"],
+            q + "w_fc": raw[p + "mlp.c_fc.weight"].T, q + "b_fc": raw[p + "mlp.c_fc.bias"],
+            q + "w_proj": raw[p + "mlp.c_proj.weight"].T, q + "b_proj": raw[p + "mlp.c_proj.bias"],
+        })
+    return {k: np.ascontiguousarray(v) for k, v in w.items()}
+
+
+def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer]:
+    cfg_path = path / "config.json"
+    if not cfg_path.exists():
+        raise CheckpointError(f"{path}: no config.json; a Hugging Face model directory needs config.json, "
+                              f"*.safetensors and tokenizer.json")
+    config = hf_config(_read_json(cfg_path), str(path))
+    index = path / "model.safetensors.index.json"
+    if index.exists():  # sharded: the index maps each tensor to its shard file
+        index_json = _read_json(index)
+        weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
+        if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
+            raise CheckpointError(f"{index}: 'weight_map' is not a mapping of tensor names to shard files")
+        shards = sorted(set(weight_map.values()))
+        files = [path / s for s in shards]
+        if any(not s or Path(s).name != s for s in shards):
+            raise CheckpointError(f"{index}: a shard name is a path, not a file in {path}")
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        pickled = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
+        hint = (f" (found {', '.join(pickled)}: pickle checkpoints are never loaded; convert them to "
+                f"safetensors)" if pickled else "")
+        raise CheckpointError(f"{path}: no *.safetensors weights{hint}")
+    raw = {}
+    for f in files:
+        if not f.exists():
+            raise CheckpointError(f"{path}: shard {f.name} named in the index is missing")
+        raw.update(read_safetensors(f))
+    try:
+        weights = (_hf_llama_names if config.arch == "llama" else _hf_gpt2_names)(raw, config)
+    except KeyError as e:
+        raise CheckpointError(f"{path}: weight {e.args[0]!r} is missing from the safetensors files") from None
+    check_shapes(config, weights, str(path))
+    tok_path = path / "tokenizer.json"
+    if not tok_path.exists():
+        raise CheckpointError(f"{path}: no tokenizer.json; tinyllm needs the model's tokenizer.json beside its weights")
+    try:
+        tokenizer = Tokenizer.from_tokenizer_json(tok_path)
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        detail = f"missing key {e}" if isinstance(e, KeyError) else str(e).removeprefix(f"{tok_path}: ")
+        raise CheckpointError(f"{tok_path}: cannot build the tokenizer: {detail}") from None
+    return config, weights, tokenizer
+
+
+def _read_json(path: Path):
+    """A JSON file's value; CheckpointError naming the file if it is not UTF-8 JSON."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e.__class__.__name__}: {str(e)[:80]})") from None
