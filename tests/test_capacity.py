@@ -261,10 +261,11 @@ def test_tokens_script_matches_the_tokenizer(default_model_path):
     assert table.returncode == 0 and "characters per token" in table.stdout and "␣Paris" in table.stdout
 
 
-def test_the_readme_example_is_the_real_output():
-    readme = (REPO / "README.md").read_text()
-    command = "$ python scripts/capacity.py step --preset 7b\n"
-    shown = readme[readme.index(command) + len(command):]
+def test_the_documented_example_is_the_real_output():
+    """docs/calculators.md shows the 7b step table: exactly what the script prints, numbers included."""
+    page = (REPO / "docs" / "calculators.md").read_text()
+    command = "python scripts/capacity.py step --preset 7b\n```\n\n```text\n"
+    shown = page[page.index(command) + len(command):]
     shown = shown[:shown.index("```")]
     r = script("capacity.py", "step", "--preset", "7b")
     assert r.returncode == 0 and r.stdout == shown, r.stdout

@@ -256,6 +256,9 @@ class _StubModel:
         self.config = ModelConfig(arch="llama", vocab_size=4, dim=2, n_layers=1, n_heads=1, n_kv_heads=1, ffn_dim=1,
                                   context_length=1 << 20, name="stub")
 
+    def warm_up_pool(self, pool) -> None:
+        pass                                # no kernels to compile
+
     def forward_batch(self, seqs, caches, last_only=True):
         for ids, cache in zip(seqs, caches):
             cache.check_room(len(ids))

@@ -70,6 +70,7 @@ class Engine:
             kv_memory = "256MiB"
         self.model, self.clock = model, clock
         self.pool = PagedKVCache(model.config, block_size, num_blocks, kv_memory, prefix_caching, kv_dtype)
+        model.warm_up_pool(self.pool)               # the batched kernels compiled now, not in the first step
         self.scheduler = Scheduler(self.pool, policy, max_num_seqs, max_num_batched_tokens, chunked_prefill,
                                    watermark, long_prefill_tokens)
         if not isinstance(history, int) or history < 1:

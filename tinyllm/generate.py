@@ -192,8 +192,9 @@ def new_cache(model, max_seq_len: int, spec: CacheSpec = CacheSpec()):
         return model.new_cache(max_seq_len, kv_dtype)
     from .paged import PagedKVCache
     if kv_memory is None:
-        return PagedKVCache(model.config, block_size=16, num_blocks=-(-max_seq_len // 16),
-                            kv_dtype=kv_dtype).new_sequence()
+        pool = PagedKVCache(model.config, block_size=16, num_blocks=-(-max_seq_len // 16), kv_dtype=kv_dtype)
+        model.warm_up_pool(pool)                    # its kernels compiled now, not in the first step
+        return pool.new_sequence()
     try:
         pool = PagedKVCache(model.config, block_size=16, memory=kv_memory, kv_dtype=kv_dtype)
     except MemoryError:
@@ -205,6 +206,7 @@ def new_cache(model, max_seq_len: int, spec: CacheSpec = CacheSpec()):
         raise ValueError(f"KV memory {kv_memory} holds {capacity} positions ({pool.bytes_per_token:,} bytes each) but "
                          f"this request may need {max_seq_len} (prompt + max_new_tokens): raise the KV memory or "
                          f"lower max_new_tokens")
+    model.warm_up_pool(pool)
     return pool.new_sequence()
 
 
