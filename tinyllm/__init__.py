@@ -5,9 +5,11 @@
     out = tinyllm.generate(model, "The capital of France is", max_new_tokens=16)
     print(out.text, out.stats.summary())
 
-Read the code in the order a token travels: tokenizer.py -> model.py (ops.py, kv_cache.py) -> sampling.py
--> generate.py; kernels/ holds the compiled twins of ops.py. Weights come from weights.py (gguf.py for GGUF files;
-converted.py keeps a converted file on disk for the next load); hub.py fetches the default model.
+Read reference.py first: the whole idea (load, forward, prefill, decode_step, sample, generate) in about 230 lines
+of plain numpy. Then the engine, in the order a token travels: tokenizer.py -> model.py (ops.py, kv_cache.py) ->
+sampling.py -> requests.py -> generate.py; backend.py picks what runs each pass, kernels/ holds the compiled twins
+of ops.py. Weights come from weights.py (gguf.py for GGUF files; converted.py keeps a converted file on disk for the
+next load); hub.py fetches the default model.
 """
 from __future__ import annotations
 
