@@ -71,7 +71,7 @@ def main(argv=None) -> int:
         return 2
     try:
         # One core is left to the event loop that streams every token: with Numba's workers on all the cores it
-        # takes one from a parallel kernel in every step (RESULTS.md, "Serving over HTTP").
+        # takes one from a parallel kernel in every step (benchmarks/RESULTS.md, "Over HTTP").
         tinyllm.set_threads(args.threads if args.threads is not None else max(1, (os.cpu_count() or 1) - 1))
         t0 = time.perf_counter()
         model = tinyllm.load(args.model, quant=args.quant, activations=args.activations)

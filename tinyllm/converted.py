@@ -2,7 +2,7 @@
 
 Loading a GGUF file converts it: Q4_1 blocks become float32 (or are repacked, or requantized), q/k/v rows are
 reordered and fused, and the tokenizer's 49,000 tokens and merges are parsed into lookup tables. That costs
-0.3-1 s on every start (benchmarks/RESULTS.md, startup). So the first load in a format writes the result to one
+0.3-1 s on every start (benchmarks/RESULTS.md, "Startup"). So the first load in a format writes the result to one
 file in the cache folder, and later loads map that file (llama.cpp's way of loading: the file holds the arrays as
 the kernels read them, so nothing is read or copied at load; the pages come in when the forward pass first
 touches them, and processes running the same model share them).

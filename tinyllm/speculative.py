@@ -265,7 +265,7 @@ def early_exit(target, n_layers: int):
 
 # The format of a self-draft's output head (and embedding table), by the format of its matrices: the head picks the
 # token, so a 4-bit one costs acceptance; 8 bits, as in llama.cpp's 4-bit mixes and the default model's own file
-# (RESULTS.md, "Kernel design measurements").
+# (docs/design/kernels.md, "Tried and not kept").
 DRAFT_HEAD_FORMAT = {"int8": "int8", "q4_1": "int8-block"}
 
 
