@@ -52,7 +52,7 @@ from roofline import decode_bytes, read_bandwidth, row_sums  # noqa: E402
 from tinyllm.kernels import block, intdot  # noqa: E402
 from tinyllm.kernels.attention_kernels import decode_attention  # noqa: E402
 from tinyllm.kernels.dispatch import linear_into  # noqa: E402
-from tinyllm.kernels.linear_kernels import weight_arrays  # noqa: E402
+from tinyllm.kernels.weight_formats import kernel_weight  # noqa: E402
 
 MATRICES = ("wqkv", "wo", "w_in", "w_out")
 
@@ -132,8 +132,8 @@ class Timeline:
         x, act = rows(c.dim), rows(w0.w_out.shape[1])
         self.x = x * 0.1
         self.sequence_args = (
-            tuple(tuple(weight_arrays(getattr(layer, n)) for n in MATRICES) for layer in m.layers),
-            tuple(attention_layers), weight_arrays(m.lm_head), x,
+            tuple(tuple(kernel_weight(getattr(layer, n)) for n in MATRICES) for layer in m.layers),
+            tuple(attention_layers), kernel_weight(m.lm_head), x,
             rng.standard_normal((1, c.n_heads, c.head_dim)).astype(np.float32),       # q [1, H, Dh]
             np.empty((1, c.n_heads, c.head_dim), np.float32),                         # att [1, H, Dh]
             np.empty((1, w0.wqkv.shape[0]), np.float32), np.empty((1, c.dim), np.float32),

@@ -7,7 +7,8 @@ import pytest
 import tinyllm
 from tinyllm import kernels, ops, quant
 from tinyllm.backend import NumpyOps
-from tinyllm.kernels import intdot, linear_kernels as lin
+from tinyllm.kernels import intdot, linear_kernels as lin, panel_kernels as panels, q4_kernels
+from tinyllm.kernels.weight_formats import kernel_weight
 
 RNG = np.random.default_rng(0)
 
@@ -36,7 +37,7 @@ def test_linear_panels_matches_numpy(fmt, M, O, I):
     x = RNG.normal(0, 1, (M, I)).astype(np.float32)
     qw = w if fmt == "fp32" else quant.quantize(w, fmt)
     got = np.full((M, O), np.nan, dtype=np.float32)
-    lin.linear_panels(lin.weight_arrays(qw), x, got)
+    panels.linear_panels(kernel_weight(qw), x, got)
     np.testing.assert_allclose(got, NumpyOps.linear(x, qw), atol=2e-5 * np.sqrt(I), rtol=1e-5)
 
 
@@ -84,9 +85,10 @@ def test_integer_kernels_match_the_float_kernels_on_rounded_inputs(fmt, I, int_d
     qw = quant.quantize(w, fmt)
     got, want = np.empty((5, 67), np.float32), np.empty((5, 67), np.float32)
     xr = lin.round_rows(x)
-    integer, floats = (lin.linear_q4_a8, lin.linear_q4) if fmt == "q4_1" else (lin.linear_int8_a8, lin.linear_tiled)
-    integer(qw.arrays, x, got, int_dots)
-    floats(qw.arrays, xr, want)
+    integer, floats = ((q4_kernels.linear_q4_a8, q4_kernels.linear_q4) if fmt == "q4_1"
+                       else (lin.linear_int8_a8, lin.linear_tiled))
+    integer(kernel_weight(qw), x, got, int_dots)
+    floats(kernel_weight(qw), xr, want)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)
 
 
@@ -114,7 +116,7 @@ def test_integer_panels_and_tiles_equal_their_reference_bodies(fmt, O, I):
     qw = quant.quantize(rng.normal(0, 0.1, (O, I)).astype(np.float32), fmt)
     x = rng.normal(0, 1, (11, I)).astype(np.float32)
     x[3, :5] *= 40                                                    # an outlier block
-    xq, xcorr, xs, xsum = lin.tile_inputs(x, cols)                   # 11 rows padded to 2 tiles
+    xq, xcorr, xs, xsum = panels.tile_inputs(x, cols)                 # 11 rows padded to 2 tiles
     assert xq.shape[0] == 2 * cols and not xq[11:].any() and not xs[11:].any()
     want_q, _, want_s = lin.quantize_rows(x)                          # rounded as everywhere else
     np.testing.assert_array_equal(xq[:11], want_q)
@@ -188,7 +190,7 @@ def test_each_vector_dot_equals_its_reference_body(fmt, I, isa):
 
     int8, int8_block, q4 = intdot.DOTS[isa]
     if fmt == "q4_1":                                                 # VNNI: dot_q4, AVX2: dot_q4_blocks
-        xg, scales, sums = lin._group_layout(xq, xs, isa == "vnni")
+        xg, scales, sums = q4_kernels._group_layout(xq, xs, isa == "vnni")
         args = (w.d, w.m, xg[0], scales[0], sums[0])
         fast, ref = q4, intdot.dot_q4_reference if isa == "vnni" else intdot.dot_q4_blocks_reference
     elif fmt == "int8":
@@ -254,7 +256,7 @@ def test_the_q4_reference_dots_on_the_grouped_layout_are_the_plain_block_sum(I, 
     x_blocks = xq[0].astype(np.int64).reshape(nb, quant.BLOCK)                          # [blocks, 32]
     dots = (values * x_blocks).sum(-1)                                              # [O, blocks]
     want = (w.d * xs[0] * dots + w.m * xs[0] * x_blocks.sum(-1))[:, :even].sum(-1)
-    xg, scales, sums = lin._group_layout(xq, xs, per_lane)
+    xg, scales, sums = q4_kernels._group_layout(xq, xs, per_lane)
     dot = intdot.dot_q4_reference if per_lane else intdot.dot_q4_blocks_reference
 
     @njit
@@ -467,10 +469,12 @@ import numpy as np
 from numba.core.registry import CPUDispatcher
 from test_model import random_model
 from tinyllm import kernels, paged
-from tinyllm.kernels import attention_kernels, block, dispatch, intdot, linear_kernels, numerics, pointwise
+from tinyllm.kernels import (attention_kernels, block, dispatch, intdot, linear_kernels, numerics, panel_kernels,
+                             pointwise, q4_kernels)
 
 def signatures():
-    modules = (attention_kernels, block, dispatch, intdot, linear_kernels, numerics, pointwise)
+    modules = (attention_kernels, block, dispatch, intdot, linear_kernels, numerics, panel_kernels, pointwise,
+               q4_kernels)
     return {(mod.__name__, name, sig) for mod in modules for name, f in vars(mod).items()
             if isinstance(f, CPUDispatcher) for sig in f.signatures}
 
@@ -501,10 +505,11 @@ FIRST_RUN_CHECK = """
 import numpy as np
 from numba.core.registry import CPUDispatcher
 from test_model import random_model
-from tinyllm.kernels import linear_kernels
+from tinyllm.kernels import linear_kernels, q4_kernels
 
 model = random_model("llama", context_length=64, dim=64, ffn_dim=64, quant="q4_1")
-compiled = {name for name, f in vars(linear_kernels).items() if isinstance(f, CPUDispatcher) and f.signatures}
+compiled = {name for module in (linear_kernels, q4_kernels) for name, f in vars(module).items()
+            if isinstance(f, CPUDispatcher) and f.signatures}
 assert "linear_q4" in compiled and "linear_q4_a8" not in compiled and "linear_int8_a8" not in compiled, compiled
 assert "linear_rows" in compiled and "linear_tiled" not in compiled, compiled     # the 8-bit head: one row each
 """
@@ -593,11 +598,13 @@ def test_warmup_leaves_nothing_to_compile_mid_request():
 DRAFT_WARMUP_CHECK = """
 from numba.core.registry import CPUDispatcher
 from test_model import random_model
-from tinyllm.kernels import attention_kernels, block, dispatch, intdot, linear_kernels, numerics, pointwise
+from tinyllm.kernels import (attention_kernels, block, dispatch, intdot, linear_kernels, numerics, panel_kernels,
+                             pointwise, q4_kernels)
 from tinyllm.speculative import make_draft, speculative_generate
 
 def signatures():
-    modules = (attention_kernels, block, dispatch, intdot, linear_kernels, numerics, pointwise)
+    modules = (attention_kernels, block, dispatch, intdot, linear_kernels, numerics, panel_kernels, pointwise,
+               q4_kernels)
     return {(mod.__name__, name, sig) for mod in modules for name, f in vars(mod).items()
             if isinstance(f, CPUDispatcher) for sig in f.signatures}
 
@@ -775,11 +782,10 @@ def test_the_threads_shares_of_a_linear_make_the_whole(fmt, a8):
     threaded, plain and op-by-op paths equal bit for bit.)"""
     from tinyllm.kernels import intdot
     from tinyllm.kernels.dispatch import linear_into
-    from tinyllm.kernels.linear_kernels import weight_arrays
     from tinyllm.quant import quantize
     rng = np.random.default_rng(4)
     w = rng.standard_normal((70, 128)).astype(np.float32)               # 5 tasks, the last short; 4 blocks of 32
-    arrays = weight_arrays(w if fmt is None else quantize(w, fmt))
+    arrays = kernel_weight(w if fmt is None else quantize(w, fmt))
     x = rng.standard_normal((3, 128)).astype(np.float32)
     a8 = a8 and fmt is not None
     whole = np.empty((3, 70), np.float32)

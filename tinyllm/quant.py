@@ -44,7 +44,7 @@ class QuantizedWeight:
 
     @functools.cached_property
     def arrays(self) -> tuple[np.ndarray, ...]:
-        """The stored arrays in field order: what the compiled kernels take (kernels/linear_kernels.py)."""
+        """The stored arrays in field order (the compiled kernels take them as kernels/weight_formats.py's tuples)."""
         return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
 
     @property

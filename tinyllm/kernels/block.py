@@ -29,17 +29,18 @@ from .attention_kernels import attend_chunk, decode_attention, merge_chunks, pos
 from .dispatch import linear_into, linear_share, thread_share
 from .kv_formats import first_rows, kernel_operands, store_row
 from .kv_rows import row_shape_of
-from .linear_kernels import TILE_MIN_ROWS, weight_arrays
+from .linear_kernels import TILE_MIN_ROWS
 from .numerics import PARALLEL, SERIAL
 from .pointwise import rmsnorm_into, swiglu_into, swiglu_rows_into
 from .spin_barrier import COUNT, barrier, new_state
+from .weight_formats import Float32Weight, kernel_weight
 
 
 def block_weights(layer) -> tuple:
     """What the compiled block takes of one layer's weights (model.LayerWeights): its two norms and its four
-    matrices' arrays. The same every step: the model builds these once."""
-    return (layer.attn_norm, layer.ffn_norm, weight_arrays(layer.wqkv), weight_arrays(layer.wo),
-            weight_arrays(layer.w_in), weight_arrays(layer.w_out))
+    matrices as weight_formats named tuples. The same every step: the model builds these once."""
+    return (layer.attn_norm, layer.ffn_norm, kernel_weight(layer.wqkv), kernel_weight(layer.wo),
+            kernel_weight(layer.w_in), kernel_weight(layer.w_out))
 
 
 def cache_operands(k_cache, v_cache, n_heads: int) -> tuple:
@@ -56,8 +57,9 @@ def decode_blocks(x, weights, caches, start: int, cos, sin, n_heads: int, eps: f
     block_weights(layer i); caches[i]: cache_operands of layer i's K and V; cos, sin [T, Dh/2]: the rotations of
     the tokens' positions; int8_inputs: the activations setting."""
     int_dots = intdot.USE_INT_DOTS
-    quantized = len(weights[0][2]) > 1      # (fp32 gained nothing from the threaded block: RESULTS.md, "One
-    if x.shape[0] < TILE_MIN_ROWS and quantized and not _plain_only and threads_can_wait():  # parallel region")
+    # the threaded block for quantized weights only (fp32 gained nothing from it: RESULTS.md, "One parallel region")
+    quantized = not isinstance(weights[0][2], Float32Weight)
+    if x.shape[0] < TILE_MIN_ROWS and quantized and not _plain_only and threads_can_wait():
         block, n = THREADED_BLOCKS[int8_inputs], numba.get_num_threads()
         state = new_state()                                        # a barrier per call: two callers never share one
         for (attn_norm, ffn_norm, wqkv, wo, w_in, w_out), (k, k_scales, v, v_scales, shape) in zip(weights, caches):

@@ -1,8 +1,9 @@
 """Which kernel runs: the one place that decides by row count, weight format and activations setting.
 
     rows in the pass     linears                                 attention
-    1 .. FEW_TOKENS      linear_kernels.py (see linear_into)     decode_attention (flash-decoding)
-    .. SMALL_M           linear_kernels.py (linear_panels from   tiled_causal_attention (prefill_attention.py)
+    1 .. FEW_TOKENS      linear_kernels.py, q4_kernels.py        decode_attention (flash-decoding)
+                         (see linear_into)
+    .. SMALL_M           the same (panel_kernels.py from         tiled_causal_attention (prefill_attention.py)
                          PANEL_MIN_ROWS, fp32 and 4-bit, and
                          int8 without AVX-512; with int8 inputs
                          and VNNI, from FEW_TOKENS + 1: the
@@ -29,12 +30,13 @@ from . import blas, intdot
 from .attention_kernels import decode_attention, paged_decode_attention
 from .kv_formats import kernel_operands
 from .kv_rows import row_shape_of
-from .linear_kernels import (OUT_BLOCK, PANEL_MIN_ROWS, PANELS_FOR_INT8, TILE_MIN_ROWS, int8_a8_task, linear_int8_a8,
-                             linear_integer_panels, linear_panels, linear_q4, linear_q4_a8, linear_rows, linear_tiled,
-                             n_tasks, q4_a8_task, q4_inputs, q4_rows_task, quantize_rows, round_rows, rows_task,
-                             split_halves, weight_arrays)
+from .linear_kernels import (OUT_BLOCK, TILE_MIN_ROWS, int8_a8_task, linear_int8_a8, linear_rows, linear_tiled, n_tasks,
+                             quantize_rows, round_rows, rows_task)
+from .panel_kernels import PANEL_MIN_ROWS, PANELS_FOR_INT8, linear_integer_panels, linear_panels
+from .q4_kernels import linear_q4, linear_q4_a8, q4_a8_task, q4_inputs, q4_rows_task, split_halves
 from .pointwise import swiglu_into, swiglu_rows_into
 from .prefill_attention import tiled_causal_attention
+from .weight_formats import INT8, QUANTIZED, Float32Weight, Q4Weight, kernel_weight, typed_as
 
 SMALL_M = 128     # up to this many rows the Numba linears beat BLAS (RESULTS.md, "Kernel design measurements")
 FEW_TOKENS = 16   # up to this many query tokens attention splits over positions (decode, verification)
@@ -44,27 +46,28 @@ PREFILL_CHUNK = SMALL_M   # a longer prompt is prefilled in chunks this long: ev
 
 # --- linear -----------------------------------------------------------------------------------------------------
 def linear_into(w, x, out, int8_inputs: bool, int_dots: bool) -> None:
-    """out [M, O] = x [M, I] times the weight w, given as its `weight_arrays`, M <= SMALL_M. int8_inputs: round x to
+    """out [M, O] = x [M, I] times the weight w (a weight_formats named tuple), M <= SMALL_M. int8_inputs: round x to
     int8 blocks first (quantized weights only); int_dots: whether the integer dot products may use their vector
     versions (intdot.USE_INT_DOTS); the integer tiles of a prompt chunk need VNNI (intdot.USE_VNNI).
     This Python body is what `linear` runs (so a first run compiles only the kernels it meets); compiled callers
     (the fused block) get the overload below: the same rule, specialised to the format when they compile, for
     their at most FEW_TOKENS rows (fewer than the integer tiles start at: a block compiles no tile kernel)."""
-    few, many, integer = ((linear_q4, linear_q4, linear_q4_a8) if len(w) == 3
+    few, many, integer = ((linear_q4, linear_q4, linear_q4_a8) if isinstance(w, Q4Weight)
                           else (linear_rows, linear_tiled, linear_int8_a8))
-    if x.shape[0] >= PANEL_MIN_ROWS and (len(w) != 2 or PANELS_FOR_INT8):  # a prompt chunk (int8: without AVX-512)
-        many = linear_panels
-    if int8_inputs and len(w) > 1 and x.shape[0] < TILE_MIN_ROWS:         # a few rows: integer dot products
+    if x.shape[0] >= PANEL_MIN_ROWS and (not isinstance(w, INT8) or PANELS_FOR_INT8):   # a prompt chunk (int8:
+        many = linear_panels                                                             # without AVX-512)
+    rounded = int8_inputs and isinstance(w, QUANTIZED)
+    if rounded and x.shape[0] < TILE_MIN_ROWS:                           # a few rows: integer dot products
         integer(w, x, out, int_dots)
-    elif int8_inputs and len(w) > 1 and intdot.USE_VNNI and x.shape[0] > FEW_TOKENS and x.shape[1] % BLOCK == 0:
+    elif rounded and intdot.USE_VNNI and x.shape[0] > FEW_TOKENS and x.shape[1] % BLOCK == 0:
         linear_integer_panels(w, x, out)                                 # many rows: integer tiles
     else:                                                                # float kernels (on the rounded rows)
-        (few if x.shape[0] < TILE_MIN_ROWS else many)(w, round_rows(x) if int8_inputs and len(w) > 1 else x, out)
+        (few if x.shape[0] < TILE_MIN_ROWS else many)(w, round_rows(x) if rounded else x, out)
 
 
 @overload(linear_into, jit_options=dict(fastmath=True, nogil=True, error_model="numpy"), prefer_literal=True)
 def _linear_into_typed(w, x, out, int8_inputs, int_dots):
-    if len(w.types) == 3:                                                # 4-bit: one kernel for any M
+    if typed_as(w, Q4Weight):                                           # 4-bit: one kernel for any M
         few, many, integer = linear_q4, linear_q4, linear_q4_a8
     else:                                                                # fp32, int8, int8-block
         few, many, integer = linear_rows, linear_tiled, linear_int8_a8
@@ -86,7 +89,7 @@ def _linear_into_typed(w, x, out, int8_inputs, int_dots):
     setting = getattr(int8_inputs, "literal_value", None)
     if setting is None:
         raise TypingError("linear_into: int8_inputs must be a compile-time constant in compiled code")
-    return rounded if setting and len(w.types) > 1 else floats
+    return rounded if setting and typed_as(w, QUANTIZED) else floats
 
 
 @njit(fastmath=True, cache=True, inline="always")
@@ -103,20 +106,21 @@ def linear_share(w, x, out, int8_inputs: bool, int_dots: bool, tid: int, n: int)
     parallel loop calls, so the result is bit for bit linear_into's. For block.py's threaded block."""
     O = w[0].shape[0]
     first, end = thread_share(n_tasks(O), tid, n)
-    if int8_inputs and len(w) == 3:
+    four_bit, int8 = isinstance(w, Q4Weight), isinstance(w, INT8)
+    if int8_inputs and four_bit:
         xq, _, xs = quantize_rows(x)
         xg, scales, sums = q4_inputs(xq, xs, int_dots)
-    elif int8_inputs and len(w) == 2:
+    elif int8_inputs and int8:
         xq, xstart, xs = quantize_rows(x)
-    elif len(w) == 3:
-        xlo, xhi, xsum = split_halves(x, w[1].shape[1])
+    elif four_bit:
+        xlo, xhi, xsum = split_halves(x, w.d.shape[1])
     for task in range(first, end):
         o0, o1 = task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK)
-        if int8_inputs and len(w) == 3:
+        if int8_inputs and four_bit:
             q4_a8_task(w, xq, xs, xg, scales, sums, out, o0, o1, int_dots)
-        elif int8_inputs and len(w) == 2:
+        elif int8_inputs and int8:
             int8_a8_task(w, xq, xstart, xs, out, o0, o1, int_dots)
-        elif len(w) == 3:
+        elif four_bit:
             q4_rows_task(w, xlo, xhi, xsum, out, o0, o1, 0)
         else:
             rows_task(w, x, out, o0, o1)
@@ -135,7 +139,7 @@ def _linear_share_typed(w, x, out, int8_inputs, int_dots, tid, n):
     setting = getattr(int8_inputs, "literal_value", None)
     if setting is None:
         raise TypingError("linear_share: int8_inputs must be a compile-time constant in compiled code")
-    four_bit, rounded = len(w.types) == 3, setting and len(w.types) > 1
+    four_bit, rounded = typed_as(w, Q4Weight), setting and typed_as(w, QUANTIZED)
     tasks = _tasks_of_thread
     if rounded and four_bit:
         def q4_a8(w, x, out, int8_inputs, int_dots, tid, n):
@@ -156,7 +160,7 @@ def _linear_share_typed(w, x, out, int8_inputs, int_dots, tid, n):
     if four_bit:
         def q4(w, x, out, int8_inputs, int_dots, tid, n):
             O, first, end = tasks(w, tid, n)
-            xlo, xhi, xsum = split_halves(x, w[1].shape[1])
+            xlo, xhi, xsum = split_halves(x, w.d.shape[1])
             for task in range(first, end):
                 q4_rows_task(w, xlo, xhi, xsum, out, task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK), 0)
         return q4
@@ -174,7 +178,8 @@ def linear(x: np.ndarray, w, b: np.ndarray | None = None, int8_inputs: bool = Fa
     if x.shape[0] > SMALL_M:
         return blas.linear(x, w, b, int8_inputs)
     out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)        # [M, O]
-    linear_into(weight_arrays(w), x, out, int8_inputs and not isinstance(w, np.ndarray), intdot.USE_INT_DOTS)
+    weight = kernel_weight(w)
+    linear_into(weight, x, out, int8_inputs and not isinstance(weight, Float32Weight), intdot.USE_INT_DOTS)
     return out if b is None else out + b
 
 

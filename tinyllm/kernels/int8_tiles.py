@@ -1,12 +1,12 @@
 """Integer register tiles: a prompt chunk's linears with int8 or 4-bit weights and int8-rounded inputs (VNNI).
 
 Why: with quantized weights a prompt chunk's linears are bound by arithmetic, not memory, and the float tiles
-convert every weight to float first (linear_kernels.linear_tiled and linear_panels on quant.round_activations'
-rows). vpdpbusd instead multiplies 64 byte pairs and adds them into 16 int32 sums in one instruction, four times
-the products of a float multiply-add. intdot.py uses it along one weight row (a dot product per output, its lanes
-added at the end); here the lanes are 16 different weight rows, as in a BLAS micro-kernel: each step broadcasts 4
-bytes of one input row to every lane and multiplies them by the same 4 bytes of 16 weight rows, so a block's 32
-products for 16 outputs are 8 instructions and nothing is ever added across lanes.
+convert every weight to float first (linear_kernels.linear_tiled and panel_kernels.linear_panels on
+quant.round_activations' rows). vpdpbusd instead multiplies 64 byte pairs and adds them into 16 int32 sums in one
+instruction, four times the products of a float multiply-add. intdot.py uses it along one weight row (a dot product
+per output, its lanes added at the end); here the lanes are 16 different weight rows, as in a BLAS micro-kernel:
+each step broadcasts 4 bytes of one input row to every lane and multiplies them by the same 4 bytes of 16 weight
+rows, so a block's 32 products for 16 outputs are 8 instructions and nothing is ever added across lanes.
 
 That needs the 16 rows interleaved 4 bytes at a time, a "panel" (`pack_panel`, `pack_q4_panel`: made once per
 chunk and weight-row task, then used by every input row). With Q the stored integers (int8, or the 4-bit values
@@ -16,7 +16,7 @@ chunk and weight-row task, then used by every input row). With Q the stored inte
     scales [I/32, 16] f32     scales[b, r] = row r's scale for block b (int8 per row: the row's one scale)
     minimums [I/32, 16] f32   minimums[b, r] = row r's minimum for block b (4-bit only)
 
-and the input rows rounded to int8 blocks (linear_kernels.tile_inputs): xq [C, I] int8, xs [C, I/32] their block
+and the input rows rounded to int8 blocks (panel_kernels.tile_inputs): xq [C, I] int8, xs [C, I/32] their block
 scales, xcorr [C, I/32] int32 = -128 times each block's sum of xq (what the weights' +128 adds, taken back) and
 xsum [C, I/32] = xs times each block's sum of xq (what a minimum multiplies).
 

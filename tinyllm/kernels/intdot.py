@@ -6,7 +6,8 @@ of 32 values), each block's dot product is an integer sum that AVX-512 VNNI comp
 multiplies 32 unsigned bytes by 32 signed bytes and adds each group of 4 products into one of 8 int32 lanes (64
 bytes into 16 lanes in its 512-bit form, which the versions here use: two int8 blocks or four 4-bit ones at once).
 
-The contract (what every function here returns, as float32; the callers in linear_kernels.py prepare the inputs):
+The contract (what every function here returns, as float32; the callers in linear_kernels.py and q4_kernels.py
+prepare the inputs):
 
     dot_int8(w, o, xq, xstart, xs)
         w [O, I] int8 weights, o a row of w, xq [I] int8 rounded input, xs [ceil(I/32)] scales, xstart [I/4 over

@@ -1,6 +1,6 @@
 """Small matrix products C = A @ B a tile at a time, the tile's sums held in vector registers: the two products of
 prefill attention (prefill_attention.py), scores = K . Q^T and P . V, each 64 deep, and a prompt chunk's linears
-(linear_kernels.linear_panels: a few weight rows times the chunk's rows, transposed).
+(panel_kernels.linear_panels: a few weight rows times the chunk's rows, transposed).
 
     product_tile(a, b, c, r0, n0, rows, vectors, a_transposed)
         c[r0 + i, n0 + j] = sum over k of A[r0 + i, k] * b[k, n0 + j]     for i < rows, j < 16 * vectors

@@ -28,17 +28,20 @@ from .block import BLOCKS, THREADED_BLOCKS, plain_blocks_only
 from .dispatch import FEW_TOKENS, FUSED_ROWS, attention, linear, paged_attention, swiglu
 from .kv_formats import kernel_operands
 from .kv_rows import row_shape, row_shape_of
-from .linear_kernels import PANEL_MIN_ROWS, TILE_MIN_ROWS, weight_arrays
+from .linear_kernels import TILE_MIN_ROWS
+from .panel_kernels import PANEL_MIN_ROWS
 from .pointwise import apply_rope, rmsnorm
 from .spin_barrier import new_state
+from .weight_formats import kernel_weight
 
 FORMATS = {np.ndarray: None, Int8Channel: "int8", Int8Block: "int8-block", Q4Block: "q4_1"}
 NOTICE_AFTER_S = 1.0    # loading every kernel from the cache takes well under this; compiling takes seconds
 HELPER_TIMEOUT_S = 600  # a second process compiling the plain blocks: given up on (and done here) after this
 _threaded_helper = None  # the second process compiling threaded blocks, if this process started one
-_done: set = set()      # what is warm, as tagged tuples: ("linear", fmt, a8, rows), ("block", fmt, a8, kv_dtype,
-                        # heads), ("attention", kind, kv_dtype, heads), ("paged", kv_dtype, heads), ("ops",); heads:
-                        # the model's (head size, query heads per KV head), which kv_rows.py compiles code for
+_done: set = set()      # what is warm, as tagged tuples: ("linear", fmt, int8_inputs, rows), ("block", fmt,
+                        # int8_inputs, kv_dtype, heads), ("attention", kind, kv_dtype, heads), ("paged", kv_dtype,
+                        # heads), ("ops",); heads: the model's (head size, query heads per KV head), which kv_rows.py
+                        # compiles code for
 
 
 def _matrix(fmt: str | None, rows: int, cols: int = BLOCK):
@@ -54,7 +57,7 @@ def _block_arguments(fmt: str | None, kv_dtype: str, heads: tuple) -> tuple:
     x, norm, trig = np.ones((1, BLOCK), np.float32), np.ones(BLOCK, np.float32), np.ones((1, Dh // 2), np.float32)
     kv = kv_storage((4, KVH, Dh), kv_dtype)                         # [S_max, KVH, Dh]
     (k, k_scales), (v, v_scales) = kernel_operands(kv), kernel_operands(kv)
-    mats = [weight_arrays(_matrix(fmt, rows, cols)) for rows, cols in (((H + 2 * KVH) * Dh, BLOCK), (BLOCK, H * Dh),
+    mats = [kernel_weight(_matrix(fmt, rows, cols)) for rows, cols in (((H + 2 * KVH) * Dh, BLOCK), (BLOCK, H * Dh),
                                                                         (2 * BLOCK, BLOCK), (BLOCK, BLOCK))]
     return (x, norm, norm, *mats, intdot.USE_INT_DOTS, k, k_scales, v, v_scales, 0, trig, trig, H, 1e-5,
             row_shape_of(k, k_scales, H // KVH))
@@ -73,10 +76,10 @@ def _warm_decode_block(fmt: str | None, int8_inputs: bool, kv_dtype: str, heads:
 def _threaded_in_the_cache(blocks) -> bool:
     """Whether Numba's disk cache holds the threaded block for every (fmt, int8 activations, kv_dtype, heads) in
     `blocks` (calling it then loads its code instead of compiling it: ~9 s)."""
-    for fmt, a8, kv_dtype, heads in blocks:
+    for fmt, int8_inputs, kv_dtype, heads in blocks:
         if fmt is None:                                             # fp32 runs the plain block
             continue
-        kernel = THREADED_BLOCKS[a8]
+        kernel = THREADED_BLOCKS[int8_inputs]
         signature = tuple(kernel.typeof_pyval(a) for a in (*_block_arguments(fmt, kv_dtype, tuple(heads)),
                                                              new_state(), 1))
         index = kernel._cache._cache_file._load_index()            # Numba's cache index: (signature, ...) keys
@@ -107,11 +110,11 @@ def _warm_attention(kv_dtype: str, heads: tuple, kinds=("decode", "prefill")) ->
             _done.add(("attention", kind, kv_dtype, heads))
 
 
-def _warm_linear(fmt: str | None, a8: bool, rows: int) -> None:
+def _warm_linear(fmt: str | None, int8_inputs: bool, rows: int) -> None:
     """The linear kernel for weights of format fmt, int8 activations or not, this many rows (1: the one-row kernel)."""
-    if ("linear", fmt, a8, rows) not in _done:
-        linear(np.ones((rows, BLOCK), np.float32), _matrix(fmt, 2), int8_inputs=a8)
-        _done.add(("linear", fmt, a8, rows))
+    if ("linear", fmt, int8_inputs, rows) not in _done:
+        linear(np.ones((rows, BLOCK), np.float32), _matrix(fmt, 2), int8_inputs=int8_inputs)
+        _done.add(("linear", fmt, int8_inputs, rows))
 
 
 def _warm_rope() -> None:
@@ -131,24 +134,24 @@ def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False
     global _threaded_helper
     t0 = time.perf_counter()
     matrices, head_formats = {FORMATS[t] for t in matrix_types}, {FORMATS[t] for t in head_types}
-    a8 = {fmt: int8_inputs and fmt is not None for fmt in matrices | head_formats}   # int8 activations: quantized
+    int8_inputs_of = {fmt: int8_inputs and fmt is not None for fmt in matrices | head_formats}   # quantized only
     batched = any(key[0] == "paged" for key in _done)                         # a pool exists: heads see batches
     heads = tuple(heads)
-    blocks = [(fmt, a8[fmt], kv_dtype, heads) for fmt in matrices
-              if fused and FUSED_ROWS and ("block", fmt, a8[fmt], kv_dtype, heads) not in _done]
+    blocks = [(fmt, int8_inputs_of[fmt], kv_dtype, heads) for fmt in matrices
+              if fused and FUSED_ROWS and ("block", fmt, int8_inputs_of[fmt], kv_dtype, heads) not in _done]
     with compile_notice(t0):
         helper = _blocks_in_a_second_process(blocks, "plain")
         if helper is not None:      # meanwhile, what the blocks do not contain (they hold the rest, compiled there)
             _warm_attention(kv_dtype, heads, ("prefill",))
             _warm_rope()
             for fmt in matrices:
-                _warm_linear(fmt, a8[fmt], PANEL_MIN_ROWS)
+                _warm_linear(fmt, int8_inputs_of[fmt], PANEL_MIN_ROWS)
             for fmt in head_formats - matrices:
-                _warm_linear(fmt, a8[fmt], 1)
+                _warm_linear(fmt, int8_inputs_of[fmt], 1)
             _wait(helper)
-        for fmt in a8:              # then the rest: loaded from the cache where the helper compiled it
+        for fmt in int8_inputs_of:  # then the rest: loaded from the cache where the helper compiled it
             for rows in (1, TILE_MIN_ROWS, PANEL_MIN_ROWS) if fmt in matrices or batched else (1,):
-                _warm_linear(fmt, a8[fmt], rows)
+                _warm_linear(fmt, int8_inputs_of[fmt], rows)
         _warm_attention(kv_dtype, heads)
         if ("ops",) not in _done:
             x = np.ones((1, BLOCK), dtype=np.float32)
@@ -177,11 +180,11 @@ def _wait(helper) -> None:
 def compile_blocks(blocks, kinds=("plain", "threaded")) -> None:
     """Compile (or load) the fused blocks of `kinds` for each (weight format, int8 activations, kv_dtype, heads) in
     `blocks`."""
-    for fmt, a8, kv_dtype, heads in blocks:
+    for fmt, int8_inputs, kv_dtype, heads in blocks:
         heads = tuple(heads)                                          # (a list when it came as JSON)
-        _warm_decode_block(fmt, a8, kv_dtype, heads, kinds)
+        _warm_decode_block(fmt, int8_inputs, kv_dtype, heads, kinds)
         if len(kinds) == 2:
-            _done.add(("block", fmt, a8, kv_dtype, heads))
+            _done.add(("block", fmt, int8_inputs, kv_dtype, heads))
 
 
 def _blocks_in_a_second_process(blocks, kind: str):
@@ -194,8 +197,9 @@ def _blocks_in_a_second_process(blocks, kind: str):
     if not blocks or (os.cpu_count() or 1) < 2 or os.environ.get("TINYLLM_COMPILE_HELPER", "1") == "0":
         return None
     try:
-        if kind == "plain" and any(BLOCKS[a8]._cache._cache_file._load_index() for _, a8, _, _ in blocks):   # (Numba's
-            return None                                                                                 # cache index)
+        if kind == "plain" and any(BLOCKS[int8_inputs]._cache._cache_file._load_index()      # (Numba's cache index)
+                                   for _, int8_inputs, _, _ in blocks):
+            return None
         root = Path(__file__).resolve().parents[2]                   # the folder holding this tinyllm package
         lock = ""
         if kind == "threaded":      # another process compiling these already: it will fill the cache
@@ -241,8 +245,8 @@ def warmup_paged(kv_dtype: str = "float32", heads: tuple = (64, 1)) -> float:
     """Compile (or load) what batches need: the paged-attention kernel for blocks of kv_dtype (and the other
     attention kernels of that format), and the tiled linears of output heads warmed so far for one row only.
     PagedKVCache calls it when a pool is made, so only users of a paged pool pay for it. -> seconds it took."""
-    one_row_only = [(fmt, a8) for _, fmt, a8, rows in (key for key in _done if key[0] == "linear")
-                    if rows == 1 and ("linear", fmt, a8, TILE_MIN_ROWS) not in _done]
+    one_row_only = [(fmt, int8_inputs) for _, fmt, int8_inputs, rows in (key for key in _done if key[0] == "linear")
+                    if rows == 1 and ("linear", fmt, int8_inputs, TILE_MIN_ROWS) not in _done]
     heads = tuple(heads)
     if ("paged", kv_dtype, heads) in _done and not one_row_only:
         return 0.0
@@ -254,8 +258,8 @@ def warmup_paged(kv_dtype: str = "float32", heads: tuple = (64, 1)) -> float:
         paged_attention(np.ones((2, H, Dh), np.float32), blocks, blocks, np.zeros((2, 1), np.int32),
                         np.ones(2, np.int32))
         _warm_attention(kv_dtype, heads)
-        for fmt, a8 in one_row_only:                                # a head's tiled kernel: a batch's logits
-            _warm_linear(fmt, a8, TILE_MIN_ROWS)
+        for fmt, int8_inputs in one_row_only:                       # a head's tiled kernel: a batch's logits
+            _warm_linear(fmt, int8_inputs, TILE_MIN_ROWS)
     _done.add(("paged", kv_dtype, heads))
     return time.perf_counter() - t0
 
