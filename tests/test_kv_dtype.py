@@ -115,7 +115,7 @@ def test_rows_in_llvm_ir_equal_the_plain_loops(kv_dtype, head_dim, H, group, f16
     if f16c and not kv_formats.F16C or vnni and not kernels.HAVE_VNNI:
         pytest.skip("this CPU has no F16C / AVX-512 VNNI")
     monkeypatch.setattr(kv_cache, "INT8_GROUP", group)
-    fast, plain = kv_rows._row_intrinsics(f16c, vnni), (njit(kv_rows.score_rows_reference),
+    fast, plain = kv_rows.row_intrinsics(f16c, vnni), (njit(kv_rows.score_rows_reference),
                                                        njit(kv_rows.add_rows_reference))
 
     def passes(score_rows, add_rows):
@@ -185,7 +185,7 @@ def test_int8_scores_of_a_nan_q_are_nan(head_dim, vnni):
     from tinyllm.kernels import kv_formats, kv_rows
     if vnni and not kernels.HAVE_VNNI:
         pytest.skip("this CPU has no AVX-512 VNNI")
-    score_rows, _ = kv_rows._row_intrinsics(kv_formats.F16C, vnni)
+    score_rows, _ = kv_rows.row_intrinsics(kv_formats.F16C, vnni)
 
     @njit
     def run(q, k, ks, scores, shape):
