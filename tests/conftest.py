@@ -1,4 +1,15 @@
-"""Shared fixtures. Real-model fixtures are session-scoped: the default model loads once per test run."""
+"""Shared fixtures, and the two runs of the suite.
+
+`pytest` runs the default set: every fast test and, per capability, at least one end-to-end test on the real model
+(generation, prefill/decode parity, quantized formats, paged cache, speculative decoding, engine, server, tokenizer
+against the reference). It takes a few minutes on a 2-core machine from a fresh clone (kernels compile on first use).
+`pytest --full` also runs the tests marked `slow`: sweeps over the real model and the reference, llama.cpp's
+tokenizer suite, the browser tests, checks that compile every kernel from scratch in a second process. CI
+(`.ci/run`) runs `pytest --full`. A new test that takes seconds, or repeats over more cases what a default test
+already covers on the same code, gets `@pytest.mark.slow` (or `pytest.param(..., marks=pytest.mark.slow)` for
+the extra cases of a parametrization).
+
+Real-model fixtures are session-scoped: the default model loads once per test run."""
 import atexit
 import os
 import shutil
@@ -14,6 +25,22 @@ os.environ["TINYLLM_CONVERTED"] = tempfile.mkdtemp(prefix="tinyllm-test-cache-")
 atexit.register(shutil.rmtree, os.environ["TINYLLM_CONVERTED"], ignore_errors=True)
 # scripts/reference.py (the independent reference: tokenizers + transformers) is importable from tests.
 sys.path.insert(0, str(REPO / "scripts"))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", default=False,
+                     help="run every test, including those marked slow (what CI runs)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without --full, a test marked slow is skipped, not deselected: it is listed with its reason, and a file whose
+    tests are all slow still collects (exit 0, not pytest's 5 for "no tests collected")."""
+    if config.getoption("--full"):
+        return
+    skip = pytest.mark.skip(reason="runs with --full")
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -227,6 +227,7 @@ FLAG_VALUES = {
 SWITCHES = ["--raw", "--json"]
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(flags=st.dictionaries(st.sampled_from(sorted(FLAG_VALUES)), st.integers(0, 7), max_size=5),
        switches=st.sets(st.sampled_from(SWITCHES)))

@@ -242,7 +242,6 @@ def test_abort_frees_blocks_and_bad_input(model):
         Engine(model, num_blocks=4, policy="fifo")
 
 
-@pytest.mark.slow
 def test_real_model_engine_equals_generate(default_model):
     import tinyllm
     prompts = ["The capital of France is", "List three fruits:"]

@@ -115,14 +115,12 @@ def test_huge_kv_memory_is_a_one_line_error(tiny):
         tinyllm.generate(tiny, "hello", max_new_tokens=2, kv="paged", kv_memory="1TiB")
 
 
-@pytest.mark.slow
 def test_default_model_answers_and_stops_at_eos(default_model):
     res = tinyllm.generate(default_model, "What is the capital of France?", chat=True, max_new_tokens=40)
     assert "Paris" in res.text and res.finish_reason == "eos"
     assert len(res.stats.itl_s) == len(res.token_ids)            # one ITL per token after the first, incl. eos
 
 
-@pytest.mark.slow
 def test_default_model_stop_string_is_cut_and_never_streamed(default_model):
     full = tinyllm.generate(default_model, "List three colors:", chat=True, max_new_tokens=30).text
     stop = full.split()[3]                                       # a word that really appears mid-answer

@@ -112,7 +112,6 @@ def _region_offsets(path):
             "tensor data": (data_start + path.stat().st_size) // 2}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("region", ["header", "metadata", "tensor index", "tensor data"])
 def test_truncated_default_model_names_region(default_model_path, tmp_path, region):
     cut = _region_offsets(default_model_path)[region]
@@ -123,7 +122,6 @@ def test_truncated_default_model_names_region(default_model_path, tmp_path, regi
         tinyllm.load(p)
 
 
-@pytest.mark.slow
 def test_default_model_metadata(default_model_path):
     md = GGUFFile(default_model_path).metadata
     assert md["llama.block_count"] == 30 and md["llama.attention.head_count_kv"] == 3

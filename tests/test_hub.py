@@ -161,6 +161,5 @@ def test_sigterm_during_fetch_leaves_no_temporary_download(tmp_path):
     assert sorted(p.name for p in weights.iterdir()) == [hub.LOCK_NAME]
 
 
-@pytest.mark.slow
 def test_default_model_file_is_verified(default_model_path):
     assert hub.sha256_file(default_model_path) == hub.DEFAULT_SHA256

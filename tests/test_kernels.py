@@ -291,6 +291,7 @@ def test_the_disk_cache_is_checked_against_every_kernel_source(tmp_path, monkeyp
     assert not type(elsewhere._cache._impl._locator).__name__.startswith("TinyllmKernels")
 
 
+@pytest.mark.slow
 def test_no_vnni_switch_forces_the_reference_bodies_in_a_whole_model():
     """TINYLLM_NO_VNNI=1 (intdot.USE_VNNI False): a quantized model with int8 activations runs the reference
     bodies in the fused decode steps and agrees with its no-cache forward (the tiled kernels on rounded rows)."""
@@ -556,6 +557,7 @@ assert warmup._threaded_in_the_cache(blocks), "the helper filled the cache: late
 """
 
 
+@pytest.mark.slow
 def test_first_run_compiles_the_blocks_in_second_processes(tmp_path):
     """On a first run (an empty Numba cache) the plain fused blocks compile in a second process while this one
     compiles the rest, and this one waits for them; the threaded blocks then compile in another, not waited for:
@@ -583,6 +585,7 @@ def test_a_model_compiles_only_its_own_kernels():
     assert r.returncode == 0, r.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_warmup_leaves_nothing_to_compile_mid_request():
     """After warmup, prefill, decode, a no-cache pass, a batched paged step and a verification pass run only
     signatures compiled already, so no request pays for a compile. In a fresh process: signatures compiled by
@@ -618,6 +621,7 @@ assert not new, new
 """
 
 
+@pytest.mark.slow
 def test_self_drafts_compile_when_built_not_mid_request():
     """A self-draft's weight formats (4-bit or int8 matrices, an 8-bit head, int8 activations) are compiled when
     make_draft builds it: a first speculative generation compiles nothing. In a fresh process, as above."""
@@ -645,6 +649,7 @@ for quant in ("int8", "int8-block", "q4_1"):
 """
 
 
+@pytest.mark.slow
 def test_int8_activations_without_vnni(tmp_path):
     """A CPU without AVX-512 VNNI (here: a portable build, NUMBA_CPU_NAME=generic) runs int8 activations through
     the float kernels on the rounded rows, in the op-by-op and in the fused path alike. In a fresh process, with
@@ -726,6 +731,7 @@ def test_spin_barrier_holds_every_thread_until_all_arrive():
     assert state[COUNT] == 0 and state[GENERATION] == (200 if n > 1 else 0)
 
 
+@pytest.mark.slow
 def test_threaded_block_gives_the_same_bits_on_one_thread(monkeypatch):
     """The threaded block splits its work by thread count; with one thread (numba.set_num_threads(1)) it must give
     the logits and cache it gives with all of them (each share is computed by the same functions)."""

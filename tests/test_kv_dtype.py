@@ -101,8 +101,8 @@ def test_float16_conversions_without_f16c_give_numpys_bits():
 
 
 @pytest.mark.parametrize("f16c, vnni", [(True, True), (False, False)])
-@pytest.mark.parametrize("head_dim, H, group", [(64, 6, 32), (128, 6, 32), (64, 14, 32), (48, 6, 16), (40, 4, 40),
-                                                (64, 6, 64)])
+@pytest.mark.parametrize("head_dim, H, group", [(64, 6, 32)] + [pytest.param(*shape, marks=pytest.mark.slow) for shape in
+                                                [(128, 6, 32), (64, 14, 32), (48, 6, 16), (40, 4, 40), (64, 6, 64)]])
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_rows_in_llvm_ir_equal_the_plain_loops(kv_dtype, head_dim, H, group, f16c, vnni, monkeypatch):
     """kv_rows' score_rows / add_rows in LLVM IR (float16 by F16C or by integer arithmetic; an int8 cache's q . k
@@ -199,8 +199,8 @@ def test_int8_scores_of_a_nan_q_are_nan(head_dim, vnni):
     assert np.isnan(scores[0, 1]).all() and np.isfinite(scores[0, [0, 2]]).all()
 
 
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 128, 48])
+@pytest.mark.parametrize("head_dim, kv_dtype", [(64, "float32")] + [(48, d) for d in KV_DTYPES] + [
+    pytest.param(h, d, marks=pytest.mark.slow) for h, d in [(64, "float16"), (64, "int8")] + [(128, d) for d in KV_DTYPES]])
 def test_decode_attention_on_each_head_size(kv_dtype, head_dim):
     """The decode and paged kernels equal numpy attention (which dequantizes the stored format itself, and over
     int8 rounds q as the kernels do) for head sizes kv_rows writes out (64, 128) and one it does not (48: its
@@ -392,6 +392,7 @@ assert not new, new
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_dtype", ROUNDED)
 def test_a_rounded_cache_compiles_its_kernels_when_made_not_mid_request(kv_dtype):
     """In a fresh process (kernels compiled by earlier tests would hide a gap)."""

@@ -263,6 +263,7 @@ def page(browser, lab):
     assert errors == [], errors
 
 
+@pytest.mark.slow
 def test_page_loads_with_every_section(page):
     for section in ("generate", "inside", "engine", "arithmetic"):
         assert page.locator(f"section#{section}").is_visible()
@@ -270,6 +271,7 @@ def test_page_loads_with_every_section(page):
     page.wait_for_function("document.querySelectorAll('#pool .block').length === 64")
 
 
+@pytest.mark.slow
 def test_greedy_generation_shows_generate_text_and_a_token_attention_row(page, tiny):
     prompt = "hello there"
     page.check("input[name=mode][value=completion]")
@@ -298,6 +300,7 @@ def test_greedy_generation_shows_generate_text_and_a_token_attention_row(page, t
                            "document.querySelectorAll('#att-row .att').length > 0")
 
 
+@pytest.mark.slow
 def test_two_concurrent_requests_share_the_pool_then_free_it(page, lab):
     # one request first, so that the system prompt's blocks are in the prefix cache when the two arrive together
     lab.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
@@ -322,6 +325,7 @@ def test_two_concurrent_requests_share_the_pool_then_free_it(page, lab):
     assert page.locator("#timeline .tl-cell.tok").count() > 0
 
 
+@pytest.mark.slow
 def test_calculator_reproduces_the_seed_kv_figure(page):
     page.select_option("#calc-preset", "7b")
     row = page.locator("tr[data-row='KV cache per token'] td.num")

@@ -171,7 +171,6 @@ def test_tiny_gguf_loads_and_runs(tmp_path):
     assert m.logits(ids).shape == (len(ids), m.config.vocab_size)
 
 
-@pytest.mark.slow
 def test_default_model_cache_paths_match_forward(default_model):
     ids = default_model.tokenizer.encode("The cache must give the same answer as recomputing everything. " * 3)
     full = default_model.logits(ids)
@@ -207,7 +206,8 @@ def test_decode_batch_equals_decode_step(model):
         np.testing.assert_allclose(got[j], model.decode_step(4 + j, s), atol=1e-4)
 
 
-@pytest.mark.parametrize("quant", ["int8", "int8-block", "q4_1"])
+@pytest.mark.parametrize("quant", [pytest.param("int8", marks=pytest.mark.slow), "int8-block",
+                                   pytest.param("q4_1", marks=pytest.mark.slow)])
 def test_int8_activations_prefill_then_decode_matches_no_cache_forward(quant):
     """With int8 inputs, decode runs the integer kernels and the no-cache pass the tiled float kernels on the
     rounded rows: the same arithmetic, so the same logits."""
@@ -254,8 +254,8 @@ def test_activations_are_a_setting_of_the_model_not_of_shared_weights():
 FUSED_TOLERANCE = dict(rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("quant,activations", [(None, "float32"), ("int8", "float32"), ("int8", "int8"),
-                                               ("int8-block", "int8"), ("q4_1", "float32"), ("q4_1", "int8")])
+@pytest.mark.parametrize("quant,activations", [(None, "float32"), ("int8-block", "int8"), ("q4_1", "float32")] + [
+    pytest.param(*case, marks=pytest.mark.slow) for case in [("int8", "float32"), ("int8", "int8"), ("q4_1", "int8")]])
 def test_fused_decode_equals_the_op_by_op_blocks(quant, activations, monkeypatch):
     """A numba pass of up to FEW_TOKENS tokens on a contiguous cache runs each block as one compiled call (the
     threaded block below TILE_MIN_ROWS tokens with quantized weights, else the plain one, also while the threaded

@@ -236,7 +236,6 @@ def test_batched_paged_decode_equals_each_alone(backend):
     pool.allocator.check_invariants()
 
 
-@pytest.mark.slow
 def test_real_model_paged_equals_contiguous(default_model):
     import tinyllm
     prompt = "The three primary colors are"

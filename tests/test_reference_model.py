@@ -33,6 +33,11 @@ DOC = json.loads(FIXTURE_JSON.read_text(encoding="utf-8"))
 PROMPTS = DOC["prompts"]
 PROMPT_IDX = {p["name"]: k for k, p in enumerate(PROMPTS)}
 by_prompt = pytest.mark.parametrize("k", range(len(PROMPTS)), ids=[p["name"] for p in PROMPTS])
+# the default run's share of the cached greedy runs: a chat and the longest prompt; the others run with --full
+DEFAULT_RUN_PROMPTS = ("chat_capital", "plain_long_story")
+by_prompt_rest_slow = pytest.mark.parametrize(
+    "k", [k if p["name"] in DEFAULT_RUN_PROMPTS else pytest.param(k, marks=pytest.mark.slow)
+          for k, p in enumerate(PROMPTS)], ids=[p["name"] for p in PROMPTS])
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +93,6 @@ def test_fixture_is_plain_consistent_arrays(ref):
 # ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 @by_prompt
 def test_tokenizer_ids_match_reference(default_model, k):
     """tinyllm encodes each prompt text (and renders each chat) exactly as the reference tokenizer did."""
@@ -101,7 +105,6 @@ def test_tokenizer_ids_match_reference(default_model, k):
     assert tok.decode(p["ids"]) == p["text"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", DOC["tokenizer_cases"], ids=lambda c: repr(c["text"][:24]))
 def test_tokenizer_edge_cases_match_reference(default_model, case):
     """Digits, whitespace runs, contractions, non-Latin scripts, emoji, code and special-token text."""
@@ -110,7 +113,6 @@ def test_tokenizer_edge_cases_match_reference(default_model, case):
     assert tok.decode(case["ids"]) == case["text"]
 
 
-@pytest.mark.slow
 @by_prompt
 def test_logits_match_reference(default_model, ref, k):
     """No-cache forward: every position at the shared columns and at its own top-10 ids; full last row."""
@@ -182,8 +184,7 @@ def test_near_tie_rule():
         _compare_greedy([5, 6, 9], [5, 6, 7], margin)
 
 
-@pytest.mark.slow
-@by_prompt
+@by_prompt_rest_slow
 def test_greedy_continuation_matches_reference(greedy_runs, ref, k):
     """40 greedy tokens with tinyllm's KV cache equal the reference's (near-tie rule in the module doc)."""
     run = greedy_runs(k)
@@ -196,8 +197,7 @@ def test_greedy_continuation_matches_reference(greedy_runs, ref, k):
         assert run["tokens"] == want
 
 
-@pytest.mark.slow
-@by_prompt
+@by_prompt_rest_slow
 def test_prefill_and_decode_logits_match_reference(greedy_runs, ref, k):
     """The cached path: prefill's last row (all V) and each decode step's logits while the tokens agree."""
     run = greedy_runs(k)

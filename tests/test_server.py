@@ -469,7 +469,6 @@ def real_server(default_model):
     r.close()
 
 
-@pytest.mark.slow
 def test_openai_client_completion_equals_generate(real_server, default_model):
     import openai
     client = openai.OpenAI(base_url=real_server.url + "/v1", api_key="none")

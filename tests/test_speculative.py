@@ -140,7 +140,8 @@ def exact_marginals(model, prompt, params, n_tokens):
     return marg, joint
 
 
-@pytest.mark.parametrize("source", ["bad-model", "self-int8", "layers:1", "ngram"])
+@pytest.mark.parametrize("source", ["bad-model"] + [pytest.param(s, marks=pytest.mark.slow)
+                                                   for s in ("self-int8", "layers:1", "ngram")])
 def test_speculative_sampling_matches_target_distribution(small, source):
     """Tokens 2-4 come out of speculative rounds (token 1 from the prefill): their marginals and the joint of
     tokens 1-2 must match the target's exact distribution, whatever the draft, even a random unrelated model."""
@@ -298,8 +299,8 @@ PROMPTS = ["The capital of France is Paris. The capital of Germany is",
 N_NEW = 8   # short: with k = 8 a single round can cover the whole generation; longer runs cost minutes here
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("source", ["ngram", "self-int8", "self-q4", "layers:10", "draft=PATH"])
+@pytest.mark.parametrize("source", ["ngram"] + [pytest.param(s, marks=pytest.mark.slow)
+                                               for s in ("self-int8", "self-q4", "layers:10", "draft=PATH")])
 def test_greedy_speculative_equals_plain_greedy_on_default_model(default_model, default_model_path, source):
     m = default_model
     # draft=PATH: another checkpoint with this tokenizer; the only one here is the file itself (a cache of its own)

@@ -44,6 +44,7 @@ def load(name, folder):
     return Tokenizer.from_gguf_metadata(GGUFFile(suite.vocab_path(name, folder)).metadata)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", BYTE_LEVEL_BPE)
 def test_every_case_of_the_suite(suite_dir, name):
     tok = load(name, suite_dir)
@@ -55,6 +56,7 @@ def test_every_case_of_the_suite(suite_dir, name):
         assert tok.decode(expected) == text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", BYTE_LEVEL_BPE)
 def test_every_case_after_a_round_trip_through_the_converted_model_cache(suite_dir, name, tmp_path, monkeypatch):
     """The tables converted.py keeps on disk rebuild each vocab exactly (repeated merges, plain-text tokens,
@@ -72,12 +74,14 @@ def test_every_case_after_a_round_trip_through_the_converted_model_cache(suite_d
     assert [rebuilt.encode(text, allow_special=False) for text, _ in cases] == [expected for _, expected in cases]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,message", REFUSED.items())
 def test_other_tokenizer_models_are_refused_clearly(suite_dir, name, message):
     with pytest.raises(ValueError, match=f"tokenizer.ggml.model is {message}: tinyllm implements only byte-level"):
         load(name, suite_dir)
 
 
+@pytest.mark.slow
 def test_falcon_merges_never_join_a_digit_to_another_character(suite_dir):
     """Why FALCON_STAGES may leave out HF's digit split: no merge could cross its cuts anyway."""
     merges = GGUFFile(suite.vocab_path("falcon", suite_dir)).metadata["tokenizer.ggml.merges"]
@@ -86,6 +90,7 @@ def test_falcon_merges_never_join_a_digit_to_another_character(suite_dir):
     assert len(merges) > 60_000 and crossing == []
 
 
+@pytest.mark.slow
 def test_command_r_plain_text_tokens_decode_but_are_never_produced(suite_dir):
     tok = load("command-r", suite_dir)
     plain = [i for i in range(260, 300) if tok.id_to_bytes(i) == "™".encode()]
