@@ -25,7 +25,7 @@ MATRIX_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "w_fc", "w_p
 
 
 # The output head's format (and the tied embedding's) when quantizing, by the matrices' format. A 4-bit head costs
-# far more quality than 4-bit matrices do (benchmarks/RESULTS.md, quality), so 4-bit formats keep it at 8 bits, as
+# far more quality than 4-bit matrices do (benchmarks/RESULTS.md, "Quality per format"), so 4-bit formats keep it at 8 bits, as
 # llama.cpp's 4-bit mixes and the default model's own file do. `head_quant=` overrides it.
 DEFAULT_HEAD_FORMAT = {"int8": "int8", "int8-block": "int8-block", "q4_1": "int8-block"}
 HEAD_NAMES = ("tok_embed", "lm_head")

@@ -4,7 +4,10 @@ A model with backend="numba" runs on this package (backend.NumbaBackend); everyt
 twin in ops.py and a parity test (tests/test_kernels.py). The files, in the order a decode step meets them:
 
     dispatch.py           which kernel runs for how many rows, which format, which activations (the one policy)
-    linear_kernels.py     matrix-vector and small matrix-matrix products for every weight format
+    weight_formats.py     the weight formats the kernels take, as named tuples (Float32Weight, Q4Weight, ...)
+    linear_kernels.py     a few rows times a weight: the task split, the input rounding, fp32 and int8 weights
+    q4_kernels.py         the same for 4-bit (Q4_1) weights
+    panel_kernels.py      a prompt chunk's linears: weight rows prepared once as panels, products in register tiles
     intdot.py             integer dot products (AVX-512 VNNI or AVX2, LLVM IR), their written contract, plain twins
     pointwise.py          RMSNorm, RoPE, SwiGLU
     attention_kernels.py  decode (flash-decoding) and paged (PagedAttention) attention
@@ -12,7 +15,8 @@ twin in ops.py and a parity test (tests/test_kernels.py). The files, in the orde
     register_tiles.py     small matrix products, the sums held in registers (LLVM IR): prefill's attention, linears
     int8_tiles.py         a prompt chunk's quantized linears in integer register tiles (VNNI, LLVM IR)
     kv_formats.py         the KV cache's stored formats (float32, float16, int8) as the kernels read and write them
-    kv_rows.py            decode attention's inner steps on one cached row for a KV head's query heads (LLVM IR)
+    kv_rows.py            decode attention's inner steps on one cached row for a KV head's query heads; plain twins
+    kv_rows_ir.py         the same steps in LLVM IR
     llvm_ir.py            the LLVM IR pieces the IR kernels share
     block.py              a whole Llama block of a decode step as one compiled call (one parallel region)
     spin_barrier.py       where block.py's threads wait for each other inside that region

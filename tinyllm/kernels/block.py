@@ -33,14 +33,15 @@ from .linear_kernels import TILE_MIN_ROWS
 from .numerics import PARALLEL, SERIAL
 from .pointwise import rmsnorm_into, swiglu_into, swiglu_rows_into
 from .spin_barrier import COUNT, barrier, new_state
-from .weight_formats import Float32Weight, kernel_weight
+from .weight_formats import kernel_weight, named
 
 
 def block_weights(layer) -> tuple:
     """What the compiled block takes of one layer's weights (model.LayerWeights): its two norms and its four
-    matrices as weight_formats named tuples. The same every step: the model builds these once."""
-    return (layer.attn_norm, layer.ffn_norm, kernel_weight(layer.wqkv), kernel_weight(layer.wo),
-            kernel_weight(layer.w_in), kernel_weight(layer.w_out))
+    matrices, each the plain tuple of its format's arrays (the block names them: weight_formats.named). The same
+    every step: the model builds these once."""
+    matrices = (layer.wqkv, layer.wo, layer.w_in, layer.w_out)
+    return (layer.attn_norm, layer.ffn_norm, *(tuple(kernel_weight(w)) for w in matrices))
 
 
 def cache_operands(k_cache, v_cache, n_heads: int) -> tuple:
@@ -57,8 +58,8 @@ def decode_blocks(x, weights, caches, start: int, cos, sin, n_heads: int, eps: f
     block_weights(layer i); caches[i]: cache_operands of layer i's K and V; cos, sin [T, Dh/2]: the rotations of
     the tokens' positions; int8_inputs: the activations setting."""
     int_dots = intdot.USE_INT_DOTS
-    # the threaded block for quantized weights only (fp32 gained nothing from it: RESULTS.md, "One parallel region")
-    quantized = not isinstance(weights[0][2], Float32Weight)
+    # the threaded block for quantized weights only (fp32 gained nothing: docs/design/kernels.md)
+    quantized = weights[0][2][0].dtype != np.float32               # (wqkv's values: not a Float32Weight)
     if x.shape[0] < TILE_MIN_ROWS and quantized and not _plain_only and threads_can_wait():
         block, n = THREADED_BLOCKS[int8_inputs], numba.get_num_threads()
         state = new_state()                                        # a barrier per call: two callers never share one
@@ -130,6 +131,7 @@ def _compile_block(int8_inputs: bool):
     @njit(**SERIAL)
     def block(x, attn_norm, ffn_norm, wqkv, wo, w_in, w_out, int_dots, k_cache, k_scales, v_cache, v_scales, pos, cos,
                   sin, n_heads, eps, kv_shape):
+        wqkv, wo, w_in, w_out = named(wqkv), named(wo), named(w_in), named(w_out)   # (plain tuples from Python)
         T, D = x.shape
         KVH, Dh = k_cache.shape[1], k_cache.shape[2]
         H = n_heads
@@ -233,7 +235,14 @@ def _compile_threaded_block(int8_inputs: bool):
                 for t in range(T):
                     for i in range(D):
                         x[t, i] = xm[t, i] + delta[t, i]
-    return threaded_block
+
+    @njit(**SERIAL)
+    def named_threaded_block(x, attn_norm, ffn_norm, wqkv, wo, w_in, w_out, int_dots, k_cache, k_scales, v_cache,
+                             v_scales, pos, cos, sin, n_heads, eps, kv_shape, state, n):
+        """threaded_block on the plain tuples Python passes (a parallel region takes its weights named already)."""
+        threaded_block(x, attn_norm, ffn_norm, named(wqkv), named(wo), named(w_in), named(w_out), int_dots, k_cache,
+                       k_scales, v_cache, v_scales, pos, cos, sin, n_heads, eps, kv_shape, state, n)
+    return named_threaded_block
 
 
 BLOCKS = {False: _compile_block(False), True: _compile_block(True)}     # by activations setting

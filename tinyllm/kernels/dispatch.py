@@ -38,7 +38,7 @@ from .pointwise import swiglu_into, swiglu_rows_into
 from .prefill_attention import tiled_causal_attention
 from .weight_formats import INT8, QUANTIZED, Float32Weight, Q4Weight, kernel_weight, typed_as
 
-SMALL_M = 128     # up to this many rows the Numba linears beat BLAS (RESULTS.md, "Kernel design measurements")
+SMALL_M = 128     # up to this many rows the Numba linears beat BLAS (docs/design/kernels.md)
 FEW_TOKENS = 16   # up to this many query tokens attention splits over positions (decode, verification)
 FUSED_ROWS = 0 if config.DISABLE_JIT else FEW_TOKENS   # the fused block needs compiled code (linear_into)
 PREFILL_CHUNK = SMALL_M   # a longer prompt is prefilled in chunks this long: every pass stays in these kernels

@@ -29,8 +29,8 @@ xsum [C, I/32] = xs times each block's sum of xq (what a minimum multiplies).
         cols and with_minimums compile-time constants.
 
 `int8_tile_reference` is that contract in plain loops (NUMBA_DISABLE_JIT=1, and what the tests hold the IR to).
-The IR needs VNNI: dispatch sends prompt chunks here only where intdot.USE_VNNI holds. Measured: RESULTS.md,
-"Prompt chunks in integer tiles".
+The IR needs VNNI: dispatch sends prompt chunks here only where intdot.USE_VNNI holds. Why: docs/design/kernels.md,
+"Prompt chunks".
 """
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ The 4-bit dot comes in two contracts, one per instruction set. dot_q4 (VNNI) sum
 scales per lane. AVX2 needs two instructions for what vpdpbusd does in one, and there a 4-bit row cost more
 arithmetic than reading it, so dot_q4_blocks meets the nibbles' two products in 16 bits (at most 2 x 2 x 15 x 127)
 before widening them, as llama.cpp's AVX2 kernels do, adds each block's 4 lanes in integers (two shuffles and adds
-per four blocks), and scales one sum per block (RESULTS.md, "A CPU without AVX-512"). `Q4_BY_BLOCKS` says which
+per four blocks), and scales one sum per block (docs/design/kernels.md, "AVX-512 VNNI against AVX2"). `Q4_BY_BLOCKS` says which
 of the two the kernels call.
 `USE_INT_DOTS` is what the dispatch passes as `int_dots` to the kernels that call these; the environment variable
 TINYLLM_NO_VNNI=1 forces the reference bodies on any CPU. `USE_VNNI` says whether int8_tiles.py's integer tiles
@@ -75,7 +75,7 @@ USE_INT_DOTS = INT_DOTS is not None and not _FORCED_PLAIN
 USE_VNNI = HAVE_VNNI and not _FORCED_PLAIN
 Q4_BY_BLOCKS = INT_DOTS == "avx2"   # the kernels' 4-bit dot with int dots on: dot_q4_blocks, else dot_q4
 # Rows are short (576 int8 or 288 packed bytes), so the hardware prefetcher keeps restarting: ask this far ahead
-# (8 KiB, some 14 int8 rows: the int8 kernels read from memory 1.2-1.3x faster than with 2 KiB; RESULTS.md).
+# (8 KiB, some 14 int8 rows: the int8 kernels read from memory 1.2-1.3x faster than with 2 KiB: docs/design/kernels.md).
 PREFETCH_BYTES = 8192
 
 

@@ -32,7 +32,7 @@ from .weight_formats import Float32Weight, Int8BlockWeight, Int8Weight, typed_as
 OUT_BLOCK = 16
 # From this many input rows on, the 8-bit family works in 4 x 4 tiles (16 sums in registers: each loaded weight
 # feeds 4 multiply-adds). Below it one weight row streams at a time, reused from L1 for the few input rows, which
-# keeps the read of the weights sequential (RESULTS.md, "Kernel design measurements").
+# keeps the read of the weights sequential (docs/design/kernels.md, "Linear layers").
 TILE_MIN_ROWS = 8
 
 

@@ -153,7 +153,7 @@ def q4_inputs(xq, xs, int_dots):
 def q4_a8_task(w, xq, xs, xg, scales, sums, out, o0, o1, int_dots):
     """linear_q4_a8's task: out[:, o0:o1], from q4_inputs' layout. The 4-bit dot is called directly in the row loop,
     with each input row's views taken once per task (through an inlined helper holding both dot_q4 and its
-    reference body the loop ran 1.2-1.4x slower: RESULTS.md, "The 4-bit dot product called directly"); an odd last
+    reference body the loop ran 1.2-1.4x slower: docs/design/kernels.md); an odd last
     block is added after."""
     packed, d, mins = w
     for m in range(xq.shape[0]):

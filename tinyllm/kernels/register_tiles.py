@@ -14,8 +14,8 @@ step at a time: b's row k is loaded once as `vectors` 16-float vectors, each A[r
 and the rows x vectors sums are multiply-adds into registers: nothing is ever added across lanes (the BLAS
 micro-kernel's way: Goto and van de Geijn, "Anatomy of high-performance matrix multiplication", 2008). With
 rows = 8 and up to 3 vectors a tile keeps 24 sums of the 32 AVX-512 registers busy. A CPU without AVX-512 has 16
-registers of 8 floats, where such a tile's sums no longer fit and spill to memory (2.4-3.7x slower, one thread,
-RESULTS.md): there `product` takes tiles of 4 rows and 1 vector (8 registers of sums, as OpenBLAS's AVX2 kernels
+registers of 8 floats, where such a tile's sums no longer fit and spill to memory (2.4-3.7x slower, one thread:
+docs/design/kernels.md): there `product` takes tiles of 4 rows and 1 vector (8 registers of sums, as OpenBLAS's AVX2 kernels
 keep 12).
 
 `product_tile_reference` is the same contract in plain loops: what runs with NUMBA_DISABLE_JIT=1 and what the tests

@@ -57,8 +57,8 @@ def _block_arguments(fmt: str | None, kv_dtype: str, heads: tuple) -> tuple:
     x, norm, trig = np.ones((1, BLOCK), np.float32), np.ones(BLOCK, np.float32), np.ones((1, Dh // 2), np.float32)
     kv = kv_storage((4, KVH, Dh), kv_dtype)                         # [S_max, KVH, Dh]
     (k, k_scales), (v, v_scales) = kernel_operands(kv), kernel_operands(kv)
-    mats = [kernel_weight(_matrix(fmt, rows, cols)) for rows, cols in (((H + 2 * KVH) * Dh, BLOCK), (BLOCK, H * Dh),
-                                                                        (2 * BLOCK, BLOCK), (BLOCK, BLOCK))]
+    shapes = (((H + 2 * KVH) * Dh, BLOCK), (BLOCK, H * Dh), (2 * BLOCK, BLOCK), (BLOCK, BLOCK))   # [O, I] each
+    mats = [tuple(kernel_weight(_matrix(fmt, rows, cols))) for rows, cols in shapes]   # (plain, as block.py takes them)
     return (x, norm, norm, *mats, intdot.USE_INT_DOTS, k, k_scales, v, v_scales, 0, trig, trig, H, 1e-5,
             row_shape_of(k, k_scales, H // KVH))
 

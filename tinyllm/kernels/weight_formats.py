@@ -11,6 +11,10 @@ The names are quant.py's format names ("int8", "int8-block", "q4_1"), whose data
 `kernel_weight` turns those (or a float32 array) into these. Numba compiles a named tuple as a tuple of its arrays,
 with the class in its type (`instance_class`), so a kernel is specialised to the format when it compiles: Python
 code asks `isinstance(w, Q4Weight)`, typing code (an @overload's typing function) `typed_as(w, Q4Weight)`.
+The fused decode block (block.py) is handed plain tuples, `tuple(w)`, and names them itself (`named`): Numba's
+dispatcher types an exact tuple of arrays in C but a named tuple in Python, microseconds a weight, and a decode step
+calls the block once per layer with four weights each. (A parallel region must receive its weights named: naming
+one inside a `prange` function fails in Numba's parfor lowering.)
 Left out: how the formats are made and what their rounding costs (quant.py).
 """
 from __future__ import annotations
@@ -18,6 +22,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
+from numba import types
+from numba.extending import overload
 
 from ..quant import Int8Block, Int8Channel, Q4Block
 
@@ -50,6 +56,39 @@ _FROM_QUANT = {Int8Channel: Int8Weight, Int8Block: Int8BlockWeight, Q4Block: Q4W
 def kernel_weight(w) -> Float32Weight | Int8Weight | Int8BlockWeight | Q4Weight:
     """A weight (a float32 [O, I] array or a quant.QuantizedWeight) as the named tuple the compiled code takes."""
     return Float32Weight(w) if isinstance(w, np.ndarray) else _FROM_QUANT[type(w)](*w.arrays)
+
+
+def named(w):
+    """A weight as its named tuple: as it is if it is one, else the plain tuple of its arrays read by their types
+    (the first array's dtype, and for int8 whether the scales are per row or per block)."""
+    if isinstance(w, (Float32Weight, Int8Weight, Int8BlockWeight, Q4Weight)):
+        return w
+    return _format_of(w[0].dtype, w[-1].ndim)(*w)
+
+
+def _format_of(dtype, scale_ndim: int):
+    """The format of a plain tuple of weight arrays, by its first array's dtype and its last array's rank."""
+    name = str(dtype)
+    if name == "float32":
+        return Float32Weight
+    if name == "uint8":
+        return Q4Weight
+    if name == "int8":
+        return Int8Weight if scale_ndim == 1 else Int8BlockWeight
+    raise TypeError(f"no weight format has {name} values")
+
+
+@overload(named)
+def _named_typed(w):
+    if isinstance(w, types.BaseNamedTuple):
+        return lambda w: w
+    first, last = w[0], w[len(w) - 1]
+    cls = _format_of(first.dtype, last.ndim)
+    if cls is Float32Weight:
+        return lambda w: Float32Weight(w[0])
+    if cls is Q4Weight:
+        return lambda w: Q4Weight(w[0], w[1], w[2])
+    return lambda w: cls(w[0], w[1])
 
 
 def typed_as(ty, formats) -> bool:
