@@ -3,7 +3,8 @@ and errors that name the file.
 
     tok_embed [V, D]   lm_head [V, D] (absent when tied)   final_norm [D] (+ final_norm_b)   pos_embed [P, D]
     layers.{i}.attn_norm [D]  wq [H*Dh, D]  wk, wv [KVH*Dh, D]  wo [D, H*Dh]  ffn_norm [D]
-    llama: layers.{i}.w_gate, w_up [F, D]  w_down [D, F]
+    llama: layers.{i}.w_gate, w_up [F, D]  w_down [D, F]  (qwen2: + bq bk bv; qwen3: + q_norm k_norm [Dh])
+           rope_freqs [Dh/2] (Llama 3.x: RoPE frequency divisors)
     gpt2:  layers.{i}.w_fc [F, D]  w_proj [D, F]  and biases bq bk bv bo b_fc b_proj attn_norm_b ffn_norm_b
 Left out: reading the files (gguf_weights.py, hf_weights.py) and what a load does after (weights.py).
 """
@@ -56,8 +57,12 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
         p = f"layers.{i}."
         shapes.update({p + "attn_norm": (D,), p + "wq": (c.q_dim, D), p + "wk": (c.kv_dim, D),
                        p + "wv": (c.kv_dim, D), p + "wo": (D, c.q_dim), p + "ffn_norm": (D,)})
+        if c.attn_bias or c.qkv_bias:
+            shapes.update({p + "bq": (c.q_dim,), p + "bk": (c.kv_dim,), p + "bv": (c.kv_dim,)})
         if c.attn_bias:
-            shapes.update({p + "bq": (c.q_dim,), p + "bk": (c.kv_dim,), p + "bv": (c.kv_dim,), p + "bo": (D,)})
+            shapes[p + "bo"] = (D,)
+        if c.qk_norm:
+            shapes.update({p + "q_norm": (c.head_dim,), p + "k_norm": (c.head_dim,)})
         if c.arch == "llama":
             shapes.update({p + "w_gate": (F, D), p + "w_up": (F, D), p + "w_down": (D, F)})
         else:
@@ -67,9 +72,28 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def check_shapes(config: ModelConfig, weights: dict[str, np.ndarray], source: str) -> None:
-    for name, shape in expected_shapes(config).items():
+    shapes = expected_shapes(config)
+    if "rope_freqs" in weights:
+        shapes["rope_freqs"] = (config.head_dim // 2,)
+    for name, shape in shapes.items():
         if name not in weights:
             raise CheckpointError(f"{source}: weight {name!r} is missing")
         if tuple(weights[name].shape) != shape:
             raise CheckpointError(f"{source}: weight {name!r} has shape {tuple(weights[name].shape)}, but the "
                                   f"config says {shape}; the weights and config.json/metadata disagree")
+
+
+def fold_scales(weights: dict, config: ModelConfig, attention_scale: float, residual_scale: float) -> None:
+    """Granite's multipliers, folded into the weights (in place) so the forward pass needs no extra step:
+    attention uses q.k * attention_scale instead of q.k / sqrt(Dh), so q's rows are scaled by attention_scale *
+    sqrt(Dh) (RoPE is linear: it commutes); each block adds residual_scale * its attention and MLP outputs, so wo
+    and w_down (and bo) are scaled by residual_scale."""
+    q_factor = np.float32(attention_scale * math.sqrt(config.head_dim))
+    for i in range(config.n_layers):
+        p = f"layers.{i}."
+        for name, factor in (("wq", q_factor), ("bq", q_factor), ("wo", residual_scale), ("bo", residual_scale),
+                             ("w_down", residual_scale)):
+            if p + name in weights:       # (a matrix kept quantized is widened first: the scale is not exact in it)
+                w = weights[p + name]
+                w = w if isinstance(w, np.ndarray) else w.dequantize()
+                weights[p + name] = (w * np.float32(factor)).astype(np.float32)

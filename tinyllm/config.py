@@ -15,11 +15,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ARCHITECTURES = ("llama", "gpt2")
+# checkpoint families that run as llama blocks, each difference a config field: qwen2 qkv_bias, qwen3 qk_norm,
+# granite embed_scale / logit_scale (and scales folded into weights at load: checkpoint.fold_scales)
+LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "granite")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str                 # "llama" (RMSNorm, RoPE, SwiGLU, GQA) or "gpt2" (LayerNorm, learned positions, GELU)
+    arch: str                 # the block: "llama" (RMSNorm, RoPE, SwiGLU, GQA) or "gpt2" (LayerNorm, learned
+                              # positions, GELU); the families below are llama blocks with the flags that follow
     vocab_size: int           # V
     dim: int                  # D
     n_layers: int             # L
@@ -31,7 +35,12 @@ class ModelConfig:
     rope_theta: float = 10000.0   # llama only
     tie_embeddings: bool = True   # output head shares the token embedding table
     attn_bias: bool = False       # q/k/v/o projections carry biases (gpt2: always)
+    qkv_bias: bool = False        # q/k/v projections carry biases, o does not (qwen2)
+    qk_norm: bool = False         # q and k RMS-normed per head before RoPE, weights [Dh] (qwen3, olmo2-style)
     explicit_head_dim: int | None = None  # when Dh != D / H (some llama variants say so in config.json)
+    embed_scale: float = 1.0      # the token embeddings are multiplied by this (granite)
+    logit_scale: float = 1.0      # the logits are divided by this (granite)
+    family: str = ""              # the checkpoint's own name of its architecture ("qwen2", "mistral", ...)
     name: str = ""
 
     def __post_init__(self):
@@ -78,8 +87,10 @@ class ModelConfig:
         """Parameter count (the tied output head counted once, as model cards do)."""
         D, F, L = self.dim, self.ffn_dim, self.n_layers
         attn = D * self.q_dim + 2 * D * self.kv_dim + self.q_dim * D
-        if self.attn_bias:
-            attn += self.q_dim + 2 * self.kv_dim + D
+        if self.attn_bias or self.qkv_bias:
+            attn += self.q_dim + 2 * self.kv_dim + (D if self.attn_bias else 0)
+        if self.qk_norm:
+            attn += 2 * self.head_dim
         if self.arch == "llama":
             mlp, norms = 3 * D * F, 2 * D
             extra = D  # final norm

@@ -1,8 +1,9 @@
-"""A llama GGUF file (llama.cpp's format; the default model) as (ModelConfig, canonical named arrays, Tokenizer).
+"""A GGUF file (llama.cpp's format; the default model) as (ModelConfig, canonical named arrays, Tokenizer).
 
 The file is read by gguf.py; here its metadata becomes the config, its tensor names the canonical ones
-(checkpoint.py), and the converter's permutation of the q and k rows is undone. Left out: other GGUF architectures
-(refused with a message; GPT-2 loads from a Hugging Face directory).
+(checkpoint.py), and the converter's permutation of the q and k rows is undone where it made one. Architectures:
+the llama-block families of GGUF_ARCHITECTURES. Left out: the others (refused with a message; GPT-2 loads from a
+Hugging Face directory).
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import CheckpointError, check_shapes, config_number, model_config
+from .checkpoint import CheckpointError, check_shapes, config_number, fold_scales, model_config
 from .config import ModelConfig
 from .gguf import GGUFError, GGUFFile
 from .quant import QuantizedWeight, from_gguf_block
@@ -24,6 +25,15 @@ _GGUF_NAMES = {  # GGUF tensor name -> canonical name ({i} = layer)
     "blk.{i}.ffn_gate.weight": "layers.{i}.w_gate", "blk.{i}.ffn_up.weight": "layers.{i}.w_up",
     "blk.{i}.ffn_down.weight": "layers.{i}.w_down",
 }
+_OPTIONAL_NAMES = {  # present only in some families (the config says which: checkpoint.expected_shapes)
+    "blk.{i}.attn_q.bias": "layers.{i}.bq", "blk.{i}.attn_k.bias": "layers.{i}.bk",
+    "blk.{i}.attn_v.bias": "layers.{i}.bv", "blk.{i}.attn_output.bias": "layers.{i}.bo",
+    "blk.{i}.attn_q_norm.weight": "layers.{i}.q_norm", "blk.{i}.attn_k_norm.weight": "layers.{i}.k_norm",
+    "rope_freqs.weight": "rope_freqs",
+}
+# GGUF architecture -> does llama.cpp's converter permute its q/k rows for adjacent-pair RoPE? (llama and granite
+# rotate adjacent pairs, "normal" RoPE; qwen2 and qwen3 rotate half-split pairs, "neox" RoPE, as HF does)
+GGUF_ARCHITECTURES = {"llama": True, "granite": True, "qwen2": False, "qwen3": False}
 
 
 
@@ -31,9 +41,9 @@ def gguf_config(gg: GGUFFile) -> ModelConfig:
     """ModelConfig from GGUF metadata (`{arch}.block_count`, `{arch}.embedding_length`, ...)."""
     md = gg.metadata
     arch = md.get("general.architecture")
-    if arch != "llama":
-        raise CheckpointError(f"{gg.path}: GGUF architecture {arch!r} is not supported (tinyllm reads 'llama' GGUF "
-                              f"files; GPT-2 models load from a Hugging Face directory)")
+    if arch not in GGUF_ARCHITECTURES:
+        raise CheckpointError(f"{gg.path}: GGUF architecture {arch!r} is not supported (tinyllm reads "
+                              f"{', '.join(GGUF_ARCHITECTURES)} GGUF files; GPT-2 loads from a Hugging Face directory)")
 
     def get(key, kind=int, default=None):
         value = md.get(f"{arch}.{key}", default)
@@ -44,12 +54,18 @@ def gguf_config(gg: GGUFFile) -> ModelConfig:
     n_heads = get("attention.head_count")
     tokens = md.get("tokenizer.ggml.tokens")
     vocab = get("vocab_size", default=len(tokens) if isinstance(tokens, list) and tokens else None)
+    head_dim = get("attention.key_length") if f"{arch}.attention.key_length" in md else None
+    granite = arch == "granite"
     return model_config(
         gg.path, arch="llama", vocab_size=vocab, dim=get("embedding_length"), n_layers=get("block_count"),
         n_heads=n_heads, n_kv_heads=get("attention.head_count_kv", default=n_heads),
         ffn_dim=get("feed_forward_length"), context_length=get("context_length"),
         norm_eps=get("attention.layer_norm_rms_epsilon", float), rope_theta=get("rope.freq_base", float, 10000.0),
-        tie_embeddings="output.weight" not in gg.tensors, name=str(md.get("general.name", "")),
+        tie_embeddings="output.weight" not in gg.tensors, qkv_bias="blk.0.attn_q.bias" in gg.tensors,
+        attn_bias="blk.0.attn_output.bias" in gg.tensors, qk_norm="blk.0.attn_q_norm.weight" in gg.tensors,
+        explicit_head_dim=head_dim, embed_scale=get("embedding_scale", float, 1.0) if granite else 1.0,
+        logit_scale=get("logit_scale", float, 1.0) if granite else 1.0, family=arch,
+        name=str(md.get("general.name", "")),
     )
 
 
@@ -77,12 +93,12 @@ def load_gguf(path: str | Path, quant: str | None = None) -> tuple[ModelConfig, 
         raise CheckpointError(str(e)) from None
     config = gguf_config(gg)
     weights = {}
-    for gguf_name, canonical in _GGUF_NAMES.items():
+    for gguf_name, canonical in (_GGUF_NAMES | _OPTIONAL_NAMES).items():
         for i in range(config.n_layers) if "{i}" in gguf_name else [None]:
             name = gguf_name.format(i=i)
             if name not in gg.tensors:
-                if name == "output.weight":
-                    continue  # tied output head
+                if name == "output.weight" or gguf_name in _OPTIONAL_NAMES:
+                    continue  # a tied output head; what this family does not have (check_shapes: what it needs)
                 raise CheckpointError(f"{gg.path}: tensor {name!r} is missing; the file is not a complete "
                                       f"{config.n_layers}-layer llama model")
             info = gg.tensors[name]
@@ -97,9 +113,12 @@ def load_gguf(path: str | Path, quant: str | None = None) -> tuple[ModelConfig, 
             except GGUFError as e:
                 raise CheckpointError(f"{gg.path}: tensor {name!r}: {e}") from None
     check_shapes(config, weights, str(gg.path))      # first: the un-permutation needs the shapes it expects
-    for i in range(config.n_layers):
+    for i in range(config.n_layers) if GGUF_ARCHITECTURES[config.family] else ():
         weights[f"layers.{i}.wq"] = unpermute_rope_rows(weights[f"layers.{i}.wq"], config.n_heads)
         weights[f"layers.{i}.wk"] = unpermute_rope_rows(weights[f"layers.{i}.wk"], config.n_kv_heads)
+    if config.family == "granite":
+        scale = lambda key: config_number(gg.metadata.get(f"granite.{key}", 1.0), key, str(gg.path), float)  # noqa: E731
+        fold_scales(weights, config, scale("attention.scale"), scale("residual_scale"))
     try:
         tokenizer = Tokenizer.from_gguf_metadata(gg.metadata)
     except (KeyError, ValueError) as e:

@@ -1,7 +1,7 @@
 """A Hugging Face model directory as (ModelConfig, canonical named arrays, Tokenizer): config.json, model.safetensors
-(or shards with an index) and tokenizer.json, for Llama-family (incl. GQA, Mistral without sliding window) and GPT-2
-checkpoints. No pickle is ever read: .bin / .pt checkpoints are refused. Left out: RoPE scaling, MoE, and the
-weight names of other families (refused with a message).
+(or shards with an index) and tokenizer.json, for the llama-block families (llama incl. Llama 3.x RoPE scaling,
+mistral without sliding window, qwen2, qwen3, granite) and GPT-2. No pickle is ever read: .bin / .pt checkpoints are
+refused. Left out: other RoPE scalings, MoE, and other families (refused with a message naming the supported ones).
 """
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import CheckpointError, check_shapes, config_number, model_config
-from .config import ModelConfig
+from .checkpoint import CheckpointError, check_shapes, config_number, fold_scales, model_config
+from .config import LLAMA_FAMILIES, ModelConfig
+from .ops import llama3_rope_factors
 from .tokenizer import Tokenizer
 
 
@@ -104,19 +105,17 @@ def hf_config(cfg: dict, source: str) -> ModelConfig:
     model_type = cfg.get("model_type")
     name = cfg.get("_name_or_path", "")
     name = name if isinstance(name, str) else ""
-    if model_type in ("llama", "mistral"):
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        if not isinstance(rope, dict):
-            raise CheckpointError(f"{source}: config.json rope_scaling is {rope!r}, expected an object")
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise CheckpointError(f"{source}: RoPE scaling {rope_type!r} is not supported (only plain RoPE)")
+    if model_type in LLAMA_FAMILIES:
+        rope = rope_parameters(cfg, source)
         if cfg.get("mlp_bias"):
             raise CheckpointError(f"{source}: llama models with mlp_bias are not supported")
-        if cfg.get("sliding_window") and model_type == "mistral":
+        window = cfg.get("sliding_window") if model_type == "mistral" else (
+            cfg.get("sliding_window") if cfg.get("use_sliding_window") else None)
+        if window and window < get("max_position_embeddings", default=2048):
             raise CheckpointError(f"{source}: sliding-window attention is not supported")
         n_heads = get("num_attention_heads")
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        granite = model_type == "granite"
         return model_config(
             source, arch="llama", vocab_size=get("vocab_size"), dim=get("hidden_size"),
             n_layers=get("num_hidden_layers"), n_heads=n_heads, n_kv_heads=get("num_key_value_heads", default=n_heads),
@@ -124,7 +123,11 @@ def hf_config(cfg: dict, source: str) -> ModelConfig:
             norm_eps=get("rms_norm_eps", float, 1e-6),
             rope_theta=config_number(theta, "config.json 'rope_theta'", source, float),
             tie_embeddings=flag("tie_word_embeddings"), attn_bias=flag("attention_bias"),
-            explicit_head_dim=get("head_dim") if cfg.get("head_dim") is not None else None, name=name,
+            qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3",
+            explicit_head_dim=get("head_dim") if cfg.get("head_dim") is not None else None,
+            embed_scale=get("embedding_multiplier", float, 1.0) if granite else 1.0,
+            logit_scale=get("logits_scaling", float, 1.0) if granite else 1.0,
+            family=model_type, name=name,
         )
     if model_type == "gpt2":
         act = cfg.get("activation_function", "gelu_new")
@@ -136,11 +139,37 @@ def hf_config(cfg: dict, source: str) -> ModelConfig:
             n_kv_heads=get("n_head"), ffn_dim=get("n_inner", default=4 * D), context_length=get("n_positions"),
             norm_eps=get("layer_norm_epsilon", float, 1e-5), tie_embeddings=True, attn_bias=True, name=name,
         )
-    raise CheckpointError(f"{source}: model_type {model_type!r} is not supported (tinyllm runs llama, mistral "
-                          f"without sliding window, and gpt2)")
+    raise CheckpointError(f"{source}: model_type {model_type!r} is not supported (tinyllm runs "
+                          f"{', '.join(LLAMA_FAMILIES)} and gpt2)")
+
+
+def rope_parameters(cfg: dict, source: str) -> dict:
+    """config.json's RoPE settings (`rope_parameters`, or the older `rope_scaling`); only plain RoPE and Llama 3's
+    scaling are supported."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise CheckpointError(f"{source}: config.json rope_scaling is {rope!r}, expected an object")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", None, "llama3"):
+        raise CheckpointError(f"{source}: RoPE scaling {rope_type!r} is not supported (plain RoPE and 'llama3')")
+    return rope
+
+
+def hf_rope_factors(cfg: dict, config: ModelConfig, source: str) -> np.ndarray | None:
+    """Llama 3.x's RoPE scaling as frequency divisors [Dh/2] (what the GGUF calls rope_freqs), or None."""
+    rope = rope_parameters(cfg, source)
+    if rope.get("rope_type", rope.get("type")) != "llama3":
+        return None
+    num = lambda key, default: config_number(rope.get(key, default), f"config.json rope {key!r}", source, float)  # noqa: E731
+    low, high = num("low_freq_factor", 1.0), num("high_freq_factor", 4.0)
+    if high <= low:
+        raise CheckpointError(f"{source}: config.json rope high_freq_factor ({high}) must exceed low_freq_factor")
+    return llama3_rope_factors(config.head_dim, config.rope_theta, num("factor", 8.0), low, high,
+                               num("original_max_position_embeddings", 8192))
 
 
 def _hf_llama_names(raw: dict[str, np.ndarray], c: ModelConfig) -> dict[str, np.ndarray]:
+    """Hugging Face's llama-family names -> canonical ones (checkpoint.py)."""
     w = {"tok_embed": raw["model.embed_tokens.weight"], "final_norm": raw["model.norm.weight"]}
     if "lm_head.weight" in raw and not c.tie_embeddings:
         w["lm_head"] = raw["lm_head.weight"]
@@ -152,7 +181,8 @@ def _hf_llama_names(raw: dict[str, np.ndarray], c: ModelConfig) -> dict[str, np.
                          ("mlp.gate_proj.weight", "w_gate"), ("mlp.up_proj.weight", "w_up"),
                          ("mlp.down_proj.weight", "w_down"), ("self_attn.q_proj.bias", "bq"),
                          ("self_attn.k_proj.bias", "bk"), ("self_attn.v_proj.bias", "bv"),
-                         ("self_attn.o_proj.bias", "bo")]:
+                         ("self_attn.o_proj.bias", "bo"), ("self_attn.q_norm.weight", "q_norm"),
+                         ("self_attn.k_norm.weight", "k_norm")]:
             if p + hf in raw:
                 w[q + ours] = raw[p + hf]
     return w
@@ -184,7 +214,8 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray], Tokeniz
     if not cfg_path.exists():
         raise CheckpointError(f"{path}: no config.json; a Hugging Face model directory needs config.json, "
                               f"*.safetensors and tokenizer.json")
-    config = hf_config(_read_json(cfg_path), str(path))
+    cfg = _read_json(cfg_path)
+    config = hf_config(cfg, str(path))
     index = path / "model.safetensors.index.json"
     if index.exists():  # sharded: the index maps each tensor to its shard file
         index_json = _read_json(index)
@@ -211,6 +242,14 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray], Tokeniz
         weights = (_hf_llama_names if config.arch == "llama" else _hf_gpt2_names)(raw, config)
     except KeyError as e:
         raise CheckpointError(f"{path}: weight {e.args[0]!r} is missing from the safetensors files") from None
+    if config.family == "granite":
+        fold_scales(weights, config, attention_scale=config_number(cfg.get("attention_multiplier", 1.0),
+                                                                    "config.json 'attention_multiplier'", str(path), float),
+                    residual_scale=config_number(cfg.get("residual_multiplier", 1.0),
+                                                 "config.json 'residual_multiplier'", str(path), float))
+    rope_freqs = hf_rope_factors(cfg, config, str(path))
+    if rope_freqs is not None:
+        weights["rope_freqs"] = rope_freqs
     check_shapes(config, weights, str(path))
     tok_path = path / "tokenizer.json"
     if not tok_path.exists():

@@ -42,6 +42,8 @@ class LayerWeights:
     bo: np.ndarray | None = None
     b_in: np.ndarray | None = None
     b_out: np.ndarray | None = None
+    q_norm: np.ndarray | None = None        # [Dh]: per-head RMSNorm of q and k before RoPE (config.qk_norm)
+    k_norm: np.ndarray | None = None
 
 
 class Transformer:
@@ -81,9 +83,11 @@ class Transformer:
                 ffn_norm=w("ffn_norm"), ffn_norm_b=w("ffn_norm_b"),
                 w_in=w("w_in") if c.arch == "llama" else w("w_fc"), b_in=w("b_fc"),
                 w_out=w("w_down") if c.arch == "llama" else w("w_proj"), b_out=w("b_proj"),
+                q_norm=w("q_norm"), k_norm=w("k_norm"),
             ))
         if c.arch == "llama":  # one table of rotation angles for every position the model supports
-            self.rope_cos, self.rope_sin = rope_tables(c.head_dim, c.context_length, c.rope_theta)
+            self.rope_cos, self.rope_sin = rope_tables(c.head_dim, c.context_length, c.rope_theta,
+                                                       weights.get("rope_freqs"))   # (Llama 3.x's scaling)
         self.activations = activations      # validated by its property setter, like backend
         self.backend = backend              # validated (and kernels warmed up) by the property setter below
 
@@ -194,6 +198,8 @@ class Transformer:
             trace.begin_pass(self, ids[0], segments[0].start)
 
         x = self._embed(np.concatenate(ids))                        # [N, D]
+        if self.config.embed_scale != 1.0:                          # granite
+            x = x * np.float32(self.config.embed_scale)
         if self.pos_embed is not None:                              # gpt2: learned absolute positions
             x = x + self.pos_embed[positions]
             rope = None
@@ -215,6 +221,8 @@ class Transformer:
             x = x[[s.rows.stop - 1 for s in segments]]              # [B, D]: each sequence's last row
         x = self._norm(ops, x, self.final_norm, self.final_norm_b)
         logits = ops.linear(x, self.lm_head, int8_inputs=self.int8_inputs)   # [N, V] or [B, V]
+        if self.config.logit_scale != 1.0:                          # granite
+            logits = logits / np.float32(self.config.logit_scale)
         if last_only:
             return [logits[j:j + 1] for j in range(len(segments))]
         return [logits[s.rows] for s in segments]
@@ -232,6 +240,9 @@ class Transformer:
         q = qkv[:, :H * Dh].reshape(T, H, Dh)                       # [T, H, Dh]
         k = qkv[:, H * Dh:(H + KVH) * Dh].reshape(T, KVH, Dh)      # [T, KVH, Dh]
         v = qkv[:, (H + KVH) * Dh:].reshape(T, KVH, Dh)            # [T, KVH, Dh]
+        if layer.q_norm is not None:                                # qwen3: each head's q and k RMS-normed
+            q = ops.rmsnorm(q.reshape(T * H, Dh), layer.q_norm, c.norm_eps).reshape(T, H, Dh)
+            k = ops.rmsnorm(k.reshape(T * KVH, Dh), layer.k_norm, c.norm_eps).reshape(T, KVH, Dh)
         if rope is not None:                                        # rotate q and k by their positions
             q, k = ops.apply_rope(q, *rope), ops.apply_rope(k, *rope)
         if len(groups) == 1:                                        # one sequence (or one batch): all the rows
@@ -275,8 +286,10 @@ class Transformer:
 
     @property
     def has_fusable_blocks(self) -> bool:
-        """Llama blocks without attention biases: what the kernels' one-call block computes (kernels/block.py)."""
-        return self.config.arch == "llama" and not self.config.attn_bias
+        """Llama blocks without attention biases or q/k norms: what the kernels' one-call block computes
+        (kernels/block.py)."""
+        c = self.config
+        return c.arch == "llama" and not (c.attn_bias or c.qkv_bias or c.qk_norm)
 
     def _matrices(self) -> list:
         """Every weight that goes through `linear`."""

@@ -51,14 +51,36 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return e / np.sum(e, axis=axis, keepdims=True)
 
 
-def rope_tables(head_dim: int, n_positions: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin of every rotation angle: position p, pair i rotates by p * theta^(-2i/Dh).
+def rope_tables(head_dim: int, n_positions: int, theta: float,
+                freq_factors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of every rotation angle: position p, pair i rotates by p * theta^(-2i/Dh) / freq_factors[i].
 
+    freq_factors [Dh/2] (Llama 3.x: `llama3_rope_factors`, or the GGUF's `rope_freqs` tensor) slow the
+    low-frequency pairs down so that positions past the training length stay in range; None: all 1.
     Computed in float64 and rounded once, so long positions keep their precision. -> two [P, Dh/2] arrays.
     """
     inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)   # [Dh/2]
+    if freq_factors is not None:
+        inv_freq = inv_freq / np.asarray(freq_factors, dtype=np.float64)           # [Dh/2]
     angles = np.outer(np.arange(n_positions, dtype=np.float64), inv_freq)           # [P, Dh/2]
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def llama3_rope_factors(head_dim: int, theta: float, factor: float, low_freq_factor: float,
+                        high_freq_factor: float, original_context: int) -> np.ndarray:
+    """Llama 3.1's RoPE scaling as per-pair divisors of the frequency. -> [Dh/2] float32
+
+    Pairs whose wavelength is shorter than original_context / high_freq_factor keep their frequency (1), those
+    longer than original_context / low_freq_factor turn `factor` times slower, and those between blend the two.
+    (The same numbers llama.cpp's converter writes as the `rope_freqs` tensor.)
+    """
+    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)   # [Dh/2]
+    wavelen = 2 * np.pi / inv_freq                                                   # [Dh/2] positions per turn
+    smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = 1 / ((1 - smooth) / factor + smooth)
+    out = np.where(wavelen < original_context / high_freq_factor, 1.0,
+                   np.where(wavelen > original_context / low_freq_factor, factor, blended))
+    return out.astype(np.float32)
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

