@@ -13,6 +13,8 @@ text. So, as transformers' `sanitize_control_tokens` does, every control-token t
 (contents, roles, tools, extra variables) is wrapped in two Unicode noncharacters before rendering (`mark`). The
 template moves the wrapped token around like any other text; `split_rendered` then finds it and the tokenizer
 encodes it as plain text, while every unwrapped control-token text in the output was written by the template.
+Control tokens, for a chat: the vocab's control tokens, and the added tokens the template writes in its own text
+(Qwen3's <think>, <tool_call>), as transformers decides it too.
 Left out: `continue_final_message`, named templates chosen by tools (`tool_use`), media content parts.
 """
 from __future__ import annotations
