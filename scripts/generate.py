@@ -93,7 +93,7 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             draft = make_draft(model, draft)
             draft_s = time.perf_counter() - t0
-        chat = not args.raw and model.tokenizer.chat_template is not None
+        chat = not args.raw and model.tokenizer.effective_chat_template is not None
         kwargs = dict(max_new_tokens=args.max_new_tokens, params=params, cache=cache, stop=args.stop, chat=chat,
                       speculative=draft, num_draft=args.num_draft, ignore_eos=args.ignore_eos)
         if args.json:

@@ -107,6 +107,8 @@ def test_end_tokens_are_eos_and_endoftext():
     assert end_token_ids(tok) == {0, 2}
     assert end_token_ids(PieceTokenizer(["a", "<|endoftext|>"], special_ids=(1,))) == {1}   # no eos id
     assert end_token_ids(PieceTokenizer(["<|endoftext|>"])) == set()     # text, not a special token
+    tok.end_ids = frozenset({3})                                         # a file's eot / eom ids
+    assert end_token_ids(tok) == {0, 2, 3}
 
 
 # --- prompt checks -------------------------------------------------------------------------------------------------
@@ -149,9 +151,11 @@ def test_prompt_as_text_chat_or_ids(tiny):
     tok = tiny.tokenizer
     assert prompt_ids(tiny, "hello") == tok.encode("hello")
     assert prompt_ids(tiny, (5, 6)) == [5, 6]
+    # The tiny model ships no template but has ChatML's tokens: ChatML it is (as in llama.cpp).
+    chatml = tok.encode("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.chat_template is None and tok.encode("<|im_start|>") == [1]
     for chat in [dict(prompt="hello", chat=True), dict(prompt=[{"role": "user", "content": "hello"}])]:
-        with pytest.raises(ValueError, match="this model has no chat template"):   # the tiny model has none
-            prompt_ids(tiny, **chat)
+        assert prompt_ids(tiny, **chat) == chatml
 
 
 @pytest.mark.parametrize("prompt, message", [

@@ -95,10 +95,14 @@ def check_room(ids: list[int], context_length: int) -> None:
 
 # --- when a request ends -------------------------------------------------------------------------------------------
 def end_token_ids(tokenizer) -> set[int]:
-    """Ids that end a generation: the eos token, and `<|endoftext|>` when the vocabulary has it."""
+    """Ids that end a generation: the eos token, the file's other end tokens (GGUF eot / eom ids, HF
+    generation_config's eos ids), the token the chat template ends a turn with (<|eot_id|>, <|im_end|>...), and
+    `<|endoftext|>` when the vocabulary has it as a control token."""
     ends = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()
     ends |= {i for i in tokenizer.special_ids if tokenizer.id_to_bytes(i) == b"<|endoftext|>"}
-    return ends
+    ends |= set(getattr(tokenizer, "end_ids", ()))
+    turn_end = tokenizer.chat_end_of_turn_id() if hasattr(tokenizer, "chat_end_of_turn_id") else None
+    return ends | {turn_end} if turn_end is not None else ends
 
 
 class StopStrings:

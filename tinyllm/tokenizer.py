@@ -19,7 +19,10 @@ none of them.
 The GGUF pre-tokenizers known (`GGUF_PRETOKENIZERS`) are those of every byte-level BPE vocab in llama.cpp's
 tokenizer suite, which tests/test_tokenizer_suite.py runs case by case.
 
-Not here: reading the vocab from a file (vocab_files.py), rendering ChatML (chat_template.py), SentencePiece and
+Chat: `encode_chat` renders the model's own template (chat_template.py) and encodes it so that message contents
+stay text: only the control tokens the template writes become control tokens.
+
+Not here: reading the vocab from a file (vocab_files.py), rendering templates (chat_template.py), SentencePiece and
 WordPiece tokenizers (Llama 2, Phi-3, BERT), normalizers (HF applies NFC for some of these models; llama.cpp does
 not, nor does tinyllm), byte fallback, BPE dropout; training is in bpe_train.py.
 """
@@ -32,7 +35,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import regex
 
-from .chat_template import CHATML_MARKERS, chatml_parts
+from .chat_template import CHATML_MARKERS, CHATML_TEMPLATE, end_of_turn, literal_text, mark, render, split_rendered
 from .pretokenize import (DEEPSEEK_CODER_FUSED, DEEPSEEK_CODER_STAGES, DEEPSEEK_LLM_FUSED,  # noqa: F401
                           DEEPSEEK_LLM_STAGES, FALCON_FUSED, FALCON_STAGES, GGUF_PRETOKENIZERS, GPT2_PATTERN,
                           LLAMA3_PATTERN, QWEN2_PATTERN, QWEN35_PATTERN, SMOLLM_PATTERN, split_in_stages)
@@ -112,23 +115,25 @@ class Tokenizer:
                     of spaces) are always matched, as in llama.cpp and HF tokenizers.
       ignore_merges: a word that is itself a token is taken whole (Llama 3); otherwise merges decide.
       unreachable_ids: tokens that encode never produces (text that is not byte-level); decode still gives them.
+      end_ids:      tokens besides eos that end a generation (GGUF eot / eom ids, HF generation_config eos ids).
     """
 
     def __init__(self, token_bytes: Sequence[bytes], merges: Iterable[tuple[int, int, int]],
                  pattern: str | tuple[str, ...], *,
                  added_tokens: Mapping[str, int] | None = None, special_ids: Iterable[int] = (),
                  bos_id: int | None = None, eos_id: int | None = None, chat_template: str | None = None,
-                 ignore_merges: bool = False, unreachable_ids: Iterable[int] = ()):
+                 ignore_merges: bool = False, unreachable_ids: Iterable[int] = (), end_ids: Iterable[int] = ()):
         self._token_bytes = [bytes(b) for b in token_bytes]   # id -> bytes
         self._added = dict(added_tokens or {})                 # text -> id, matched whole in the input
-        special_ids = frozenset(special_ids)
+        special_ids, end_ids = frozenset(special_ids), frozenset(end_ids)
         vocab_size = len(self._token_bytes)
-        for token_id in [*self._added.values(), *special_ids, bos_id, eos_id]:
+        for token_id in [*self._added.values(), *special_ids, *end_ids, bos_id, eos_id]:
             if token_id is not None and not 0 <= token_id < vocab_size:
                 raise ValueError(f"token id {token_id} is outside the vocab (size {vocab_size})")
         self.special_ids = special_ids
-        self.bos_id, self.eos_id = bos_id, eos_id
+        self.bos_id, self.eos_id, self.end_ids = bos_id, eos_id, end_ids
         self.chat_template = chat_template
+        self._chat_control: dict[str, str | None] = {}   # template -> regex of its control tokens (see encode_chat)
         self.ignore_merges = ignore_merges
         self.pattern = pattern
         if isinstance(pattern, str):
@@ -178,7 +183,8 @@ class Tokenizer:
         return dict(token_bytes=list(self._token_bytes), merges=[(*pair, self._merged[pair]) for pair in pairs],
                     pattern=self.pattern, added_tokens=dict(self._added), special_ids=sorted(self.special_ids),
                     bos_id=self.bos_id, eos_id=self.eos_id, chat_template=self.chat_template,
-                    ignore_merges=self.ignore_merges, unreachable_ids=sorted(self.unreachable_ids))
+                    ignore_merges=self.ignore_merges, unreachable_ids=sorted(self.unreachable_ids),
+                    end_ids=sorted(self.end_ids))
 
     @classmethod
     def from_tokenizer_json(cls, path: str | Path) -> "Tokenizer":
@@ -303,34 +309,84 @@ class Tokenizer:
         return StreamDecoder(self, skip_special)
 
     # --- chat ------------------------------------------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render a conversation as the prompt text the model was trained on (ChatML, written in Python).
+    @property
+    def effective_chat_template(self) -> str | None:
+        """The template chats are rendered with: the model's own; else ChatML if the vocab has ChatML's markers as
+        control tokens (what llama.cpp falls back to); else None."""
+        if self.chat_template is not None:
+            return self.chat_template
+        chatml = all(self._added.get(marker) in self.special_ids for marker in CHATML_MARKERS)
+        return CHATML_TEMPLATE if chatml else None
 
-        Every message becomes "<|im_start|>{role}\\n{content}<|im_end|>\\n". If the first message is not a system
-        message, the template's default system message (if it has one) goes first. add_generation_prompt ends
-        the text with "<|im_start|>assistant\\n", so the model writes the answer next. To get ids, use
-        `encode_chat`: encoding this text with encode() would also turn marker text inside a message into markers.
-        Only the plain ChatML of SmolLM2-style templates is supported (no tools).
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                            tools: list[dict] | None = None, **variables: Any) -> str:
+        """Render a conversation as the prompt text the model was trained on, with the model's own Jinja template
+        as transformers renders it (chat_template.py). add_generation_prompt ends the text with the assistant's
+        header, so the model writes the answer next; `tools` (JSON schemas) and `variables` (Qwen3's
+        enable_thinking, Llama 3's date_string...) go to the template as they are. To get ids, use `encode_chat`:
+        encode() of this text would also turn marker text inside a message into markers.
         """
-        return "".join(text for text, _ in chatml_parts(messages, add_generation_prompt, self.chat_template))
+        return render(self._template(), messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                      **{**self.template_tokens(), **variables})
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Ids of `apply_chat_template(messages)`: the template's own markers are the control tokens, and every
-        role and content is encoded as text, so a message holding "<|im_end|>" cannot end its turn early or
-        forge another one (prompt injection of control tokens)."""
-        parts = chatml_parts(messages, add_generation_prompt, self.chat_template)
-        if any(marker not in self._added for marker in CHATML_MARKERS):
-            raise ValueError("this model's vocabulary has no ChatML markers (<|im_start|>, <|im_end|>)")
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, *,
+                    tools: list[dict] | None = None, **variables: Any) -> list[int]:
+        """Ids of `apply_chat_template(...)`: control tokens only where the template wrote them. A message (or a
+        role, a tool, a variable) holding "<|im_end|>" gets those characters as text, so it cannot end its turn
+        early or forge another one (prompt injection). How: chat_template.mark / split_rendered."""
+        source = self._template()
+        control = self.chat_control_pattern(source)
+        text = render(source, mark(messages, control), add_generation_prompt=add_generation_prompt,
+                      tools=mark(tools, control), **{**self.template_tokens(), **mark(variables, control)})
         ids: list[int] = []
-        for text, is_marker in parts:
-            ids += [self._added[text]] if is_marker else self.encode(text, allow_special=False)
+        for piece, is_caller_text in split_rendered(text, control):
+            ids += self._encode_ordinary(piece) if is_caller_text else self.encode(piece)
         return ids
+
+    def template_tokens(self) -> dict[str, str]:
+        """bos_token and eos_token as templates see them (as transformers passes them); absent if the vocab has
+        none."""
+        named = (("bos_token", self.bos_id), ("eos_token", self.eos_id))
+        return {name: self.decode([token_id]) for name, token_id in named if token_id is not None}
+
+    def chat_control_pattern(self, template: str) -> str | None:
+        """A regex of the tokens a chat treats as control tokens: every control token, and the added tokens the
+        template writes in its own text (Qwen3's <think>), whitespace ones aside; None if there are none."""
+        if template not in self._chat_control:
+            literals = literal_text(template)
+            texts = [text for text, token_id in self._added.items()
+                     if token_id in self.special_ids or (text in literals and not text.isspace())]
+            self._chat_control[template] = _alternation_pattern(texts)
+        return self._chat_control[template]
+
+    def chat_end_of_turn_id(self) -> int | None:
+        """The token the chat template ends an assistant's turn with (Llama 3's <|eot_id|>, ChatML's <|im_end|>,
+        Granite's <|end_of_text|>), or None: no template, none found, or a template that does not compile."""
+        source = self.effective_chat_template
+        try:
+            text = end_of_turn(source, self.chat_control_pattern(source), **self.template_tokens()) if source else None
+        except ValueError:
+            return None
+        return self._added.get(text) if text is not None else None
+
+    def _template(self) -> str:
+        source = self.effective_chat_template
+        if source is None:
+            raise ValueError("this model has no chat template (GGUF tokenizer.chat_template, HF tokenizer_config.json) "
+                             "and no ChatML tokens: send the prompt as plain text, or set tokenizer.chat_template")
+        return source
 
 
 # --- helpers -----------------------------------------------------------------------------------------------
 def _alternation(texts: Iterable[str]) -> regex.Pattern | None:
-    """One regex matching any of `texts`, the longest where several match (so "<|im_start|>" wins over a prefix of
-    it); None if `texts` is empty.
+    """One regex matching any of `texts` in its one capture group, the longest where several match (so
+    "<|im_start|>" wins over a prefix of it); None if `texts` is empty."""
+    pattern = _alternation_pattern(texts)
+    return regex.compile(f"({pattern})") if pattern is not None else None
+
+
+def _alternation_pattern(texts: Iterable[str]) -> str | None:
+    """The regex of `_alternation`, without a capture group: None if `texts` is empty.
 
     Written as a trie ("ab", "abc", "ad" -> "a(?:b(?:c)?|d)"): a plain alternation of MPT's 178 runs of spaces
     would try every one of them at every space of the text; the trie reads each character once.
@@ -349,7 +405,7 @@ def _alternation(texts: Iterable[str]) -> regex.Pattern | None:
         body = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
         return f"(?:{body})?" if "" in node else body   # greedy: the longer token first, then the one ending here
 
-    return regex.compile(f"({pattern(trie)})") if trie else None
+    return pattern(trie) if trie else None
 
 
 def _check_text(text: Any) -> None:

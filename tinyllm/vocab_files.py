@@ -75,7 +75,9 @@ def _byte_level_table() -> dict[int, str]:
 
 # --- the two file formats ---------------------------------------------------------------------------------
 def gguf_vocab(metadata: Mapping[str, Any]) -> dict[str, Any]:
-    """A GGUF file's metadata (`tokenizer.ggml.*` keys, `tokenizer.chat_template`) -> Tokenizer's arguments."""
+    """A GGUF file's metadata (`tokenizer.ggml.*` keys, `tokenizer.chat_template`) -> Tokenizer's arguments. The
+    end-of-turn and end-of-message tokens (`eot_token_id`, `eom_token_id`: Llama 3's <|eot_id|>, <|eom_id|>) end a
+    generation as eos does."""
     def get(key: str, kind: type = str, default: Any = ..., of: type | None = None) -> Any:
         """metadata[key], checked to be a `kind` (a list: of `of` items); ValueError naming the key."""
         if key not in metadata:
@@ -122,15 +124,18 @@ def gguf_vocab(metadata: Mapping[str, Any]) -> dict[str, Any]:
     merged_plain_text = plain_text.intersection(chain.from_iterable(merges))
     if merged_plain_text:   # byte-level merges only ever join byte-level tokens: this is another scheme
         _byte_level_to_bytes(tokens[min(merged_plain_text)], char_to_byte)   # raises, naming the character
+    end_ids = [get(f"tokenizer.ggml.{name}_token_id", int, None) for name in ("eot", "eom")]
     return dict(token_bytes=token_bytes, merges=merges, pattern=pattern, added_tokens=added, special_ids=special,
-                unreachable_ids=plain_text, bos_id=get("tokenizer.ggml.bos_token_id", int, None),
+                unreachable_ids=plain_text, end_ids=[i for i in end_ids if i is not None],
+                bos_id=get("tokenizer.ggml.bos_token_id", int, None),
                 eos_id=get("tokenizer.ggml.eos_token_id", int, None),
                 chat_template=get("tokenizer.chat_template", str, None), ignore_merges=ignore_merges)
 
 
 def tokenizer_json_vocab(path: Path) -> tuple[dict[str, Any], str | None]:
     """An HF tokenizer.json file (ByteLevel BPE: GPT-2, SmolLM, Llama 3 style) -> (Tokenizer's arguments, its
-    unk_token or None). bos/eos tokens and the chat template come from tokenizer_config.json beside it, if present."""
+    unk_token or None). Beside it, when present: bos/eos tokens from tokenizer_config.json, the chat template from
+    there or from chat_template.jinja (newer repos), the ids that end a generation from generation_config.json."""
     spec = json.loads(path.read_text(encoding="utf-8"))
     model = spec.get("model") or {}
     if model.get("type") != "BPE":
@@ -169,8 +174,16 @@ def tokenizer_json_vocab(path: Path) -> tuple[dict[str, Any], str | None]:
     template = config.get("chat_template")
     if isinstance(template, list):   # several named templates: take the default one
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if template is None and path.with_name("chat_template.jinja").exists():
+        template = path.with_name("chat_template.jinja").read_text(encoding="utf-8")
+    generation_path = path.with_name("generation_config.json")
+    generation = json.loads(generation_path.read_text(encoding="utf-8")) if generation_path.exists() else {}
+    end_ids = generation.get("eos_token_id", [])
+    end_ids = [end_ids] if type(end_ids) is int else end_ids
+    if not (isinstance(end_ids, list) and all(type(i) is int and 0 <= i < len(token_bytes) for i in end_ids)):
+        raise ValueError(f"{generation_path}: eos_token_id {end_ids} is not a token id (or a list of them)")
     return dict(token_bytes=token_bytes, merges=merges, pattern=pattern, added_tokens=added, special_ids=special,
-                bos_id=token_id("bos_token"), eos_id=token_id("eos_token"), chat_template=template,
+                end_ids=end_ids, bos_id=token_id("bos_token"), eos_id=token_id("eos_token"), chat_template=template,
                 ignore_merges=bool(model.get("ignore_merges", False))), model.get("unk_token")
 
 
