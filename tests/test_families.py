@@ -78,6 +78,19 @@ def test_hf_directory_matches_transformers(family):
     assert_close(model.decode_step(ids[-1], cache), want[-1])
     config, weights = reference.load(directory)                 # and the plain-numpy reference
     assert_close(reference.logits(config, weights, ids), want)
+    model.backend = "numpy"                                     # and the numpy backend
+    assert_close(model.logits(ids), want)
+
+
+def test_greedy_tokens_equal_transformers(family):
+    name, directory, hf = family
+    prompt = tinyllm.load(directory).tokenizer.encode(TEXT)[:12]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+    for backend in ("numba", "numpy"):
+        out = tinyllm.generate(tinyllm.load(directory, backend=backend), prompt, max_new_tokens=12, ignore_eos=True)
+        assert out.token_ids == want, backend
 
 
 @pytest.mark.slow                                               # fetches llama.cpp's source once (the sdist)
