@@ -273,6 +273,8 @@ def test_gguf_and_hf_files_give_template_and_end_tokens(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [256 + 1, 256 + 4, 256 + 5]}))
     arguments, _ = tokenizer_json_vocab(tmp_path / "tokenizer.json")
     assert arguments["chat_template"] == ours.chat_template and arguments["end_ids"] == [257, 260, 261]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": None}))   # as transformers may save
+    assert tokenizer_json_vocab(tmp_path / "tokenizer.json")[0]["end_ids"] == []
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "</s>"}))
     with pytest.raises(ValueError, match="generation_config.json: eos_token_id"):
         tokenizer_json_vocab(tmp_path / "tokenizer.json")

@@ -178,8 +178,8 @@ def tokenizer_json_vocab(path: Path) -> tuple[dict[str, Any], str | None]:
         template = path.with_name("chat_template.jinja").read_text(encoding="utf-8")
     generation_path = path.with_name("generation_config.json")
     generation = json.loads(generation_path.read_text(encoding="utf-8")) if generation_path.exists() else {}
-    end_ids = generation.get("eos_token_id", [])
-    end_ids = [end_ids] if type(end_ids) is int else end_ids
+    end_ids = generation.get("eos_token_id")
+    end_ids = [] if end_ids is None else [end_ids] if type(end_ids) is int else end_ids
     if not (isinstance(end_ids, list) and all(type(i) is int and 0 <= i < len(token_bytes) for i in end_ids)):
         raise ValueError(f"{generation_path}: eos_token_id {end_ids} is not a token id (or a list of them)")
     return dict(token_bytes=token_bytes, merges=merges, pattern=pattern, added_tokens=added, special_ids=special,
