@@ -73,6 +73,15 @@ def convert(hf_dir: Path, out: Path, outtype: str = "f32", pre_tokenizer: str | 
         def no_sentencepiece(self, *args, **kwargs):       # a tiny test checkpoint has no tokenizer.model
             raise FileNotFoundError("no sentencepiece model")
         base.TextModel._set_vocab_sentencepiece = no_sentencepiece
+    from conversion.gptneox import GPTNeoXModel
+
+    set_parameters = GPTNeoXModel.set_gguf_parameters
+
+    def neox_parameters(self):          # transformers 5 writes rotary_pct into rope_parameters; this converter
+        rope = self.hparams.get("rope_parameters") or {}      # still reads the old key
+        self.hparams.setdefault("rotary_pct", rope.get("partial_rotary_factor", 1.0))
+        set_parameters(self)
+    GPTNeoXModel.set_gguf_parameters = neox_parameters
     sys.argv = [str(root / "convert_hf_to_gguf.py"), str(hf_dir), "--outfile", str(out), "--outtype", outtype]
     runpy.run_path(sys.argv[0], run_name="__main__")
 

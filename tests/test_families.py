@@ -1,4 +1,5 @@
-"""The llama-block families (Llama 3.x with its RoPE scaling, Mistral, Qwen2, Qwen3, Granite): tiny random
+"""The RoPE-block families (Llama 3.x with its RoPE scaling, Mistral, Qwen2, Qwen3, Granite, StarCoder2, GPT-NeoX
+as Pythia is): tiny random
 checkpoints made by transformers, loaded by tinyllm from the Hugging Face directory and from the GGUF file that
 llama.cpp's own converter writes of it, with logits compared to transformers' on a multi-token prompt."""
 import json
@@ -21,7 +22,8 @@ pytestmark = pytest.mark.reference
 REPO = __import__("pathlib").Path(__file__).resolve().parent.parent
 
 COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
+              num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+              bos_token_id=None, eos_token_id=None)          # (the classes' defaults lie outside a tiny vocab)
 LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=64)   # pairs of every kind at Dh 16
 # family -> (transformers config and model class, its extra settings, the pre-tokenizer the GGUF records)
@@ -33,6 +35,8 @@ FAMILIES = {
     "granite": ("GraniteConfig", "GraniteForCausalLM", dict(embedding_multiplier=12.0, residual_multiplier=0.22,
                                                             attention_multiplier=0.0078125, logits_scaling=8.0),
                 "llama-bpe"),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {}, "starcoder"),   # LayerNorm, GELU, biases
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(rotary_pct=0.5, num_key_value_heads=None), "gpt-2"),
 }
 
 
@@ -41,12 +45,14 @@ def make_family(family: str, directory, seed=0):
     config_class, model_class, extra, _ = FAMILIES[family]
     torch.manual_seed(seed)
     tok = save_tokenizer(directory)
-    cfg = getattr(transformers, config_class)(vocab_size=tok.get_vocab_size(), **COMMON, **extra)
+    cfg = getattr(transformers, config_class)(vocab_size=tok.get_vocab_size(), **(COMMON | extra))
     model = getattr(transformers, model_class)(cfg).eval()
     with torch.no_grad():                       # larger random weights than the init, so errors would show
         for p in model.parameters():
             p.normal_(0, 0.2)
     model.save_pretrained(directory)
+    # the converter asks AutoTokenizer, which would take gpt-neox's own class (and its extra tokens) from config.json
+    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
     return getattr(transformers, model_class).from_pretrained(directory, dtype=torch.float32).eval()
 
 
@@ -70,6 +76,7 @@ def test_hf_directory_matches_transformers(family):
     name, directory, hf = family
     model = tinyllm.load(directory)
     assert model.config.family == ("llama" if name == "llama3" else name)
+    assert model.has_fusable_blocks == (name in ("llama3", "mistral", "granite"))   # one-call decode blocks
     ids = model.tokenizer.encode(TEXT)
     want = reference_logits(hf, ids)
     assert_close(model.logits(ids), want)                       # the no-cache forward
@@ -123,6 +130,12 @@ def test_each_difference_matters(family):
     elif name == "qwen3":
         for layer in model.layers:
             layer.q_norm = layer.k_norm = None
+    elif name == "starcoder2":
+        for layer in model.layers:
+            layer.b_in = layer.b_out = None
+    elif name == "gpt_neox":
+        import dataclasses
+        model.config = dataclasses.replace(model.config, parallel_residual=False)
     else:
         import dataclasses
         model.config = dataclasses.replace(model.config, logit_scale=1.0)
@@ -145,9 +158,9 @@ def test_unsupported_family_or_rope_is_a_one_line_error(tmp_path):
     make_family("qwen2", tmp_path)
     path = tmp_path / "config.json"
     cfg = json.loads(path.read_text())
-    path.write_text(json.dumps(cfg | {"model_type": "gpt_neox"}))
-    with pytest.raises(CheckpointError, match=r"model_type 'gpt_neox' is not supported \(tinyllm runs llama, "
-                                              r"mistral, qwen2, qwen3, granite and gpt2\)"):
+    path.write_text(json.dumps(cfg | {"model_type": "falcon"}))
+    with pytest.raises(CheckpointError, match=r"model_type 'falcon' is not supported \(tinyllm runs llama, "
+                                              r"mistral, qwen2, qwen3, granite, starcoder2, gpt_neox and gpt2\)"):
         tinyllm.load(tmp_path)
     path.write_text(json.dumps(cfg | {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}))
     with pytest.raises(CheckpointError, match="RoPE scaling 'yarn' is not supported"):

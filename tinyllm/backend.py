@@ -5,7 +5,7 @@
                    cache's stored format, a Llama block of a decode step as one compiled call, warm-up
 
 Each offers the same few things to the model: `ops_for(n_rows)`, the functions a pass of that many rows runs
-(linear, rmsnorm, layernorm, apply_rope, swiglu, gelu_tanh, attention, paged_attention); `prefill_chunk`, how
+(linear, rmsnorm, layernorm, apply_rope, swiglu, gelu_tanh, gelu, attention, paged_attention); `prefill_chunk`, how
 many prompt tokens one pass takes; `decode_blocks(model, x, segment)`, the fused block when `fuses` says so; and
 `warm_up`, compiling what a model and a cache format need before the first request.
 """
@@ -24,7 +24,7 @@ BACKENDS = ("numba", "numpy")
 class NumpyOps:
     """ops.py for a model's weights and caches: quantized weights and stored K/V are made float32 first."""
     rmsnorm, layernorm, swiglu = staticmethod(ops.rmsnorm), staticmethod(ops.layernorm), staticmethod(ops.swiglu)
-    gelu_tanh, apply_rope = staticmethod(ops.gelu_tanh), staticmethod(ops.apply_rope)
+    gelu_tanh, gelu, apply_rope = staticmethod(ops.gelu_tanh), staticmethod(ops.gelu), staticmethod(ops.apply_rope)
 
     @staticmethod
     def linear(x: np.ndarray, w, b: np.ndarray | None = None, int8_inputs: bool = False) -> np.ndarray:

@@ -213,7 +213,7 @@ SHAPES = {
 def matmul_params(config: ModelConfig) -> int:
     """Weights every token multiplies in the blocks: q, k, v, o and the MLP, all layers (not the head)."""
     c = config
-    mlp = 3 if c.arch == "llama" else 2
+    mlp = 3 if c.mlp == "swiglu" else 2
     return c.n_layers * (c.dim * c.q_dim + 2 * c.dim * c.kv_dim + c.q_dim * c.dim + mlp * c.dim * c.ffn_dim)
 
 

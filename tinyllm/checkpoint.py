@@ -6,6 +6,7 @@ and errors that name the file.
     llama: layers.{i}.w_gate, w_up [F, D]  w_down [D, F]  (qwen2: + bq bk bv; qwen3: + q_norm k_norm [Dh])
            rope_freqs [Dh/2] (Llama 3.x: RoPE frequency divisors)
     gpt2:  layers.{i}.w_fc [F, D]  w_proj [D, F]  and biases bq bk bv bo b_fc b_proj attn_norm_b ffn_norm_b
+           (starcoder2, gpt-neox: w_fc / w_proj and the same biases, with RoPE)
 Left out: reading the files (gguf_weights.py, hf_weights.py) and what a load does after (weights.py).
 """
 from __future__ import annotations
@@ -52,7 +53,9 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not c.tie_embeddings:
         shapes["lm_head"] = (V, D)
     if c.arch == "gpt2":
-        shapes.update(pos_embed=(c.context_length, D), final_norm_b=(D,))
+        shapes["pos_embed"] = (c.context_length, D)
+    if c.norm == "layer":
+        shapes["final_norm_b"] = (D,)
     for i in range(c.n_layers):
         p = f"layers.{i}."
         shapes.update({p + "attn_norm": (D,), p + "wq": (c.q_dim, D), p + "wk": (c.kv_dim, D),
@@ -63,11 +66,12 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "bo"] = (D,)
         if c.qk_norm:
             shapes.update({p + "q_norm": (c.head_dim,), p + "k_norm": (c.head_dim,)})
-        if c.arch == "llama":
+        if c.mlp == "swiglu":
             shapes.update({p + "w_gate": (F, D), p + "w_up": (F, D), p + "w_down": (D, F)})
         else:
-            shapes.update({p + "w_fc": (F, D), p + "b_fc": (F,), p + "w_proj": (D, F), p + "b_proj": (D,),
-                           p + "attn_norm_b": (D,), p + "ffn_norm_b": (D,)})
+            shapes.update({p + "w_fc": (F, D), p + "b_fc": (F,), p + "w_proj": (D, F), p + "b_proj": (D,)})
+        if c.norm == "layer":
+            shapes.update({p + "attn_norm_b": (D,), p + "ffn_norm_b": (D,)})
     return shapes
 
 

@@ -15,15 +15,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ARCHITECTURES = ("llama", "gpt2")
-# checkpoint families that run as llama blocks, each difference a config field: qwen2 qkv_bias, qwen3 qk_norm,
-# granite embed_scale / logit_scale (and scales folded into weights at load: checkpoint.fold_scales)
-LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "granite")
+# checkpoint families that run as RoPE blocks (arch "llama"), each difference a config field: qwen2 qkv_bias, qwen3
+# qk_norm, granite embed_scale / logit_scale (and scales folded into weights at load: checkpoint.fold_scales),
+# starcoder2 norm / mlp / biases, gpt_neox also rotary_dim and parallel_residual
+LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "granite", "starcoder2", "gpt_neox")
+NORMS, MLPS = ("rms", "layer"), ("swiglu", "gelu_tanh", "gelu")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str                 # the block: "llama" (RMSNorm, RoPE, SwiGLU, GQA) or "gpt2" (LayerNorm, learned
-                              # positions, GELU); the families below are llama blocks with the flags that follow
+    arch: str                 # "llama" (RoPE; by default RMSNorm, SwiGLU) or "gpt2" (learned positions; by default
+                              # LayerNorm, GELU); the families below are RoPE blocks with the fields that follow
     vocab_size: int           # V
     dim: int                  # D
     n_layers: int             # L
@@ -40,12 +42,22 @@ class ModelConfig:
     explicit_head_dim: int | None = None  # when Dh != D / H (some llama variants say so in config.json)
     embed_scale: float = 1.0      # the token embeddings are multiplied by this (granite)
     logit_scale: float = 1.0      # the logits are divided by this (granite)
+    norm: str = ""                # "rms" (llama's default) or "layer" (LayerNorm with a bias: gpt2's default)
+    mlp: str = ""                 # "swiglu" (llama's default: gate and up) or "gelu_tanh" (gpt2's) / "gelu" (exact,
+                                  # erf): one matrix in and one out, with biases
+    rotary_dim: int | None = None  # RoPE turns only the first rotary_dim of each head's Dh dims (gpt-neox); None: all
+    parallel_residual: bool = False   # x + attn(norm1(x)) + mlp(norm2(x)) (gpt-neox), not one after the other
     family: str = ""              # the checkpoint's own name of its architecture ("qwen2", "mistral", ...)
     name: str = ""
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES:
             raise ValueError(f"unsupported architecture {self.arch!r}; tinyllm runs {', '.join(ARCHITECTURES)}")
+        llama = self.arch == "llama"         # the block's defaults: what a config that says nothing more means
+        object.__setattr__(self, "norm", self.norm or ("rms" if llama else "layer"))
+        object.__setattr__(self, "mlp", self.mlp or ("swiglu" if llama else "gelu_tanh"))
+        if self.norm not in NORMS or self.mlp not in MLPS:
+            raise ValueError(f"norm must be one of {NORMS} and mlp one of {MLPS}, got {self.norm!r}, {self.mlp!r}")
         for field in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "context_length"):
             if int(getattr(self, field)) <= 0:
                 raise ValueError(f"config {field} must be positive, got {getattr(self, field)}")
@@ -53,13 +65,17 @@ class ModelConfig:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         if self.explicit_head_dim is None and self.dim % self.n_heads:
             raise ValueError(f"dim ({self.dim}) must be a multiple of n_heads ({self.n_heads})")
-        if self.arch == "llama" and self.head_dim % 2:
-            raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
+        if self.arch == "llama" and self.rope_dim % 2 or not 0 < self.rope_dim <= self.head_dim:
+            raise ValueError(f"RoPE needs an even number of dims, at most head_dim {self.head_dim}, got {self.rope_dim}")
 
     # --- derived sizes -----------------------------------------------------------------------------------------
     @property
     def head_dim(self) -> int:  # Dh
         return self.explicit_head_dim or self.dim // self.n_heads
+
+    @property
+    def rope_dim(self) -> int:  # the dims of a head that RoPE turns
+        return self.rotary_dim or self.head_dim
 
     @property
     def kv_mul(self) -> int:  # G: how many query heads read each KV head
@@ -91,11 +107,10 @@ class ModelConfig:
             attn += self.q_dim + 2 * self.kv_dim + (D if self.attn_bias else 0)
         if self.qk_norm:
             attn += 2 * self.head_dim
-        if self.arch == "llama":
-            mlp, norms = 3 * D * F, 2 * D
-            extra = D  # final norm
-        else:
-            mlp, norms = 2 * D * F + F + D, 4 * D
-            extra = 2 * D + self.context_length * D  # final norm (+bias) and learned positions
+        mlp = 3 * D * F if self.mlp == "swiglu" else 2 * D * F + F + D
+        norms = 2 * D if self.norm == "rms" else 4 * D                    # a block's two (with biases)
+        extra = D if self.norm == "rms" else 2 * D                        # the final norm
+        if self.arch == "gpt2":
+            extra += self.context_length * D                              # learned positions
         head = 0 if self.tie_embeddings else self.vocab_size * D
         return self.vocab_size * D + L * (attn + mlp + norms) + extra + head

@@ -33,7 +33,27 @@ _OPTIONAL_NAMES = {  # present only in some families (the config says which: che
 }
 # GGUF architecture -> does llama.cpp's converter permute its q/k rows for adjacent-pair RoPE? (llama and granite
 # rotate adjacent pairs, "normal" RoPE; qwen2 and qwen3 rotate half-split pairs, "neox" RoPE, as HF does)
-GGUF_ARCHITECTURES = {"llama": True, "granite": True, "qwen2": False, "qwen3": False}
+GGUF_ARCHITECTURES = {"llama": True, "granite": True, "qwen2": False, "qwen3": False, "starcoder2": False,
+                      "gptneox": False}
+FAMILY_NAMES = {"gptneox": "gpt_neox"}      # where llama.cpp's name of an architecture is not Hugging Face's
+LAYER_NORM_ARCHITECTURES = ("starcoder2", "gptneox")   # LayerNorm with biases, an MLP of one matrix in and one out
+
+
+def tensor_names(config: ModelConfig) -> dict[str, str]:
+    """GGUF tensor name -> canonical name, for this config's layout (llama's, with what its family changes)."""
+    names = dict(_GGUF_NAMES)
+    if config.mlp != "swiglu":                  # one matrix in (ffn_up) and one out (ffn_down), with biases
+        del names["blk.{i}.ffn_gate.weight"]
+        names |= {"blk.{i}.ffn_up.weight": "layers.{i}.w_fc", "blk.{i}.ffn_up.bias": "layers.{i}.b_fc",
+                  "blk.{i}.ffn_down.weight": "layers.{i}.w_proj", "blk.{i}.ffn_down.bias": "layers.{i}.b_proj"}
+    if config.norm == "layer":
+        names |= {"blk.{i}.attn_norm.bias": "layers.{i}.attn_norm_b", "blk.{i}.ffn_norm.bias": "layers.{i}.ffn_norm_b",
+                  "output_norm.bias": "final_norm_b"}
+    if config.family == "gpt_neox":             # q, k and v in one tensor, rows [q | k | v]: split after reading
+        for part in "qkv":
+            del names[f"blk.{{i}}.attn_{part}.weight"]
+        names |= {"blk.{i}.attn_qkv.weight": "layers.{i}.wqkv", "blk.{i}.attn_qkv.bias": "layers.{i}.bqkv"}
+    return names
 
 
 
@@ -55,18 +75,40 @@ def gguf_config(gg: GGUFFile) -> ModelConfig:
     tokens = md.get("tokenizer.ggml.tokens")
     vocab = get("vocab_size", default=len(tokens) if isinstance(tokens, list) and tokens else None)
     head_dim = get("attention.key_length") if f"{arch}.attention.key_length" in md else None
-    granite = arch == "granite"
+    granite, layer_norm = arch == "granite", arch in LAYER_NORM_ARCHITECTURES
+    rope_dims = get("rope.dimension_count") if f"{arch}.rope.dimension_count" in md else None
     return model_config(
         gg.path, arch="llama", vocab_size=vocab, dim=get("embedding_length"), n_layers=get("block_count"),
         n_heads=n_heads, n_kv_heads=get("attention.head_count_kv", default=n_heads),
         ffn_dim=get("feed_forward_length"), context_length=get("context_length"),
-        norm_eps=get("attention.layer_norm_rms_epsilon", float), rope_theta=get("rope.freq_base", float, 10000.0),
+        norm_eps=get("attention.layer_norm_epsilon" if layer_norm else "attention.layer_norm_rms_epsilon", float),
+        rope_theta=get("rope.freq_base", float, 10000.0),
         tie_embeddings="output.weight" not in gg.tensors, qkv_bias="blk.0.attn_q.bias" in gg.tensors,
         attn_bias="blk.0.attn_output.bias" in gg.tensors, qk_norm="blk.0.attn_q_norm.weight" in gg.tensors,
         explicit_head_dim=head_dim, embed_scale=get("embedding_scale", float, 1.0) if granite else 1.0,
-        logit_scale=get("logit_scale", float, 1.0) if granite else 1.0, family=arch,
+        logit_scale=get("logit_scale", float, 1.0) if granite else 1.0, norm="layer" if layer_norm else "rms",
+        # gpt-neox was trained with the exact GELU (llama.cpp runs its tanh approximation), starcoder2 with tanh's
+        mlp="gelu" if arch == "gptneox" else "gelu_tanh" if layer_norm else "swiglu",
+        rotary_dim=rope_dims if rope_dims and rope_dims < (head_dim or n_heads and get("embedding_length") // n_heads)
+        else None, parallel_residual=bool(md.get(f"{arch}.use_parallel_residual", False)),
+        family=FAMILY_NAMES.get(arch, arch),
         name=str(md.get("general.name", "")),
     )
+
+
+def split_qkv(weights: dict, config: ModelConfig, i: int) -> None:
+    """Layer i's fused [q | k | v] rows (and biases) as wq, wk, wv (bq, bk, bv), in place."""
+    bounds = np.cumsum([0, config.q_dim, config.kv_dim, config.kv_dim])
+    for key in ("w", "b"):
+        fused = weights.pop(f"layers.{i}.{key}qkv", None)
+        if fused is None:
+            continue
+        if fused.shape[0] != bounds[-1]:
+            raise CheckpointError(f"layer {i}'s attn_qkv has {fused.shape[0]} rows, the config says {bounds[-1]}")
+        for part, lo, hi in zip("qkv", bounds[:-1], bounds[1:]):
+            rows = np.arange(lo, hi)
+            weights[f"layers.{i}.{key}{part}"] = fused.take_rows(rows) if isinstance(fused, QuantizedWeight) else \
+                fused[lo:hi]
 
 
 def unpermute_rope_rows(w, n_heads: int):
@@ -93,14 +135,15 @@ def load_gguf(path: str | Path, quant: str | None = None) -> tuple[ModelConfig, 
         raise CheckpointError(str(e)) from None
     config = gguf_config(gg)
     weights = {}
-    for gguf_name, canonical in (_GGUF_NAMES | _OPTIONAL_NAMES).items():
+    names = tensor_names(config)
+    for gguf_name, canonical in (names | _OPTIONAL_NAMES).items():
         for i in range(config.n_layers) if "{i}" in gguf_name else [None]:
             name = gguf_name.format(i=i)
             if name not in gg.tensors:
                 if name == "output.weight" or gguf_name in _OPTIONAL_NAMES:
                     continue  # a tied output head; what this family does not have (check_shapes: what it needs)
                 raise CheckpointError(f"{gg.path}: tensor {name!r} is missing; the file is not a complete "
-                                      f"{config.n_layers}-layer llama model")
+                                      f"{config.n_layers}-layer {config.family} model")
             info = gg.tensors[name]
             keep = (quant == "native" and info.type_name in ("Q4_1", "Q8_0")) or (
                 quant == "q4_1" and info.type_name == "Q4_1")
@@ -112,8 +155,10 @@ def load_gguf(path: str | Path, quant: str | None = None) -> tuple[ModelConfig, 
                 gg.release(name)                            # its bytes are copied out: free the file's pages
             except GGUFError as e:
                 raise CheckpointError(f"{gg.path}: tensor {name!r}: {e}") from None
+    for i in range(config.n_layers) if "blk.{i}.attn_qkv.weight" in names else ():
+        split_qkv(weights, config, i)
     check_shapes(config, weights, str(gg.path))      # first: the un-permutation needs the shapes it expects
-    for i in range(config.n_layers) if GGUF_ARCHITECTURES[config.family] else ():
+    for i in range(config.n_layers) if GGUF_ARCHITECTURES[gg.metadata["general.architecture"]] else ():
         weights[f"layers.{i}.wq"] = unpermute_rope_rows(weights[f"layers.{i}.wq"], config.n_heads)
         weights[f"layers.{i}.wk"] = unpermute_rope_rows(weights[f"layers.{i}.wk"], config.n_kv_heads)
     if config.family == "granite":

@@ -1,6 +1,6 @@
 """A Hugging Face model directory as (ModelConfig, canonical named arrays, Tokenizer): config.json, model.safetensors
-(or shards with an index) and tokenizer.json, for the llama-block families (llama incl. Llama 3.x RoPE scaling,
-mistral without sliding window, qwen2, qwen3, granite) and GPT-2. No pickle is ever read: .bin / .pt checkpoints are
+(or shards with an index) and tokenizer.json, for the RoPE-block families (llama incl. Llama 3.x RoPE scaling,
+mistral, qwen2, qwen3, granite, starcoder2, gpt_neox; a sliding window W makes the context W) and GPT-2. No pickle is ever read: .bin / .pt checkpoints are
 refused. Left out: other RoPE scalings, MoE, and other families (refused with a message naming the supported ones).
 """
 from __future__ import annotations
@@ -109,24 +109,36 @@ def hf_config(cfg: dict, source: str) -> ModelConfig:
         rope = rope_parameters(cfg, source)
         if cfg.get("mlp_bias"):
             raise CheckpointError(f"{source}: llama models with mlp_bias are not supported")
-        window = cfg.get("sliding_window") if model_type == "mistral" else (
-            cfg.get("sliding_window") if cfg.get("use_sliding_window") else None)
-        if window and window < get("max_position_embeddings", default=2048):
-            raise CheckpointError(f"{source}: sliding-window attention is not supported")
+        context = get("max_position_embeddings", default=2048)
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        if isinstance(window, int) and 0 < window < context:
+            context = window    # attention within a window of W is full attention for sequences of at most W
         n_heads = get("num_attention_heads")
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        granite = model_type == "granite"
+        theta = rope.get("rope_theta", cfg.get("rope_theta", cfg.get("rotary_emb_base", 10000.0)))
+        neox, starcoder2, granite = model_type == "gpt_neox", model_type == "starcoder2", model_type == "granite"
+        if starcoder2 and not cfg.get("use_bias", True):
+            raise CheckpointError(f"{source}: starcoder2 without biases (use_bias false) is not supported")
+        act = cfg.get("hidden_act", "silu")
+        mlp = "swiglu" if not (neox or starcoder2) else {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+                                                         "gelu_new": "gelu_tanh"}.get(act)
+        if mlp is None or mlp == "swiglu" and act != "silu":
+            raise CheckpointError(f"{source}: activation {act!r} is not supported for {model_type}")
+        head_dim = get("head_dim") if cfg.get("head_dim") is not None else None
+        rotary = rope.get("partial_rotary_factor", cfg.get("rotary_pct", 1.0))
+        rotary_dim = int(rotary * (head_dim or get("hidden_size") // n_heads)) if rotary != 1.0 else None
+        eps_key = "layer_norm_eps" if neox else "norm_epsilon" if starcoder2 else "rms_norm_eps"
         return model_config(
             source, arch="llama", vocab_size=get("vocab_size"), dim=get("hidden_size"),
             n_layers=get("num_hidden_layers"), n_heads=n_heads, n_kv_heads=get("num_key_value_heads", default=n_heads),
-            ffn_dim=get("intermediate_size"), context_length=get("max_position_embeddings", default=2048),
-            norm_eps=get("rms_norm_eps", float, 1e-6),
+            ffn_dim=get("intermediate_size"), context_length=context, norm_eps=get(eps_key, float, 1e-6),
             rope_theta=config_number(theta, "config.json 'rope_theta'", source, float),
-            tie_embeddings=flag("tie_word_embeddings"), attn_bias=flag("attention_bias"),
-            qkv_bias=model_type == "qwen2", qk_norm=model_type == "qwen3",
-            explicit_head_dim=get("head_dim") if cfg.get("head_dim") is not None else None,
+            tie_embeddings=flag("tie_word_embeddings") if "tie_word_embeddings" in cfg else starcoder2,
+            attn_bias=flag("attention_bias") or starcoder2, qkv_bias=model_type == "qwen2",
+            qk_norm=model_type == "qwen3", explicit_head_dim=head_dim,
             embed_scale=get("embedding_multiplier", float, 1.0) if granite else 1.0,
             logit_scale=get("logits_scaling", float, 1.0) if granite else 1.0,
+            norm="layer" if neox or starcoder2 else "rms", mlp=mlp, rotary_dim=rotary_dim,
+            parallel_residual=neox and cfg.get("use_parallel_residual", True) is not False,
             family=model_type, name=name,
         )
     if model_type == "gpt2":
@@ -171,6 +183,8 @@ def hf_rope_factors(cfg: dict, config: ModelConfig, source: str) -> np.ndarray |
 def _hf_llama_names(raw: dict[str, np.ndarray], c: ModelConfig) -> dict[str, np.ndarray]:
     """Hugging Face's llama-family names -> canonical ones (checkpoint.py)."""
     w = {"tok_embed": raw["model.embed_tokens.weight"], "final_norm": raw["model.norm.weight"]}
+    if "model.norm.bias" in raw:
+        w["final_norm_b"] = raw["model.norm.bias"]
     if "lm_head.weight" in raw and not c.tie_embeddings:
         w["lm_head"] = raw["lm_head.weight"]
     for i in range(c.n_layers):
@@ -182,10 +196,38 @@ def _hf_llama_names(raw: dict[str, np.ndarray], c: ModelConfig) -> dict[str, np.
                          ("mlp.down_proj.weight", "w_down"), ("self_attn.q_proj.bias", "bq"),
                          ("self_attn.k_proj.bias", "bk"), ("self_attn.v_proj.bias", "bv"),
                          ("self_attn.o_proj.bias", "bo"), ("self_attn.q_norm.weight", "q_norm"),
-                         ("self_attn.k_norm.weight", "k_norm")]:
+                         ("self_attn.k_norm.weight", "k_norm"), ("input_layernorm.bias", "attn_norm_b"),
+                         ("post_attention_layernorm.bias", "ffn_norm_b"), ("mlp.c_fc.weight", "w_fc"),
+                         ("mlp.c_fc.bias", "b_fc"), ("mlp.c_proj.weight", "w_proj"), ("mlp.c_proj.bias", "b_proj")]:
             if p + hf in raw:
                 w[q + ours] = raw[p + hf]
     return w
+
+
+def _hf_gpt_neox_names(raw: dict[str, np.ndarray], c: ModelConfig) -> dict[str, np.ndarray]:
+    """GPT-NeoX (Pythia) names -> canonical ones; its fused query_key_value holds each head's q, k, v rows together
+    ([H, 3, Dh] rows): split into wq, wk, wv."""
+    raw = {k.removeprefix("gpt_neox."): v for k, v in raw.items()}
+    head = raw.get("embed_out.weight", raw.get("lm_head.weight"))
+    w = {"tok_embed": raw["embed_in.weight"], "final_norm": raw["final_layer_norm.weight"],
+         "final_norm_b": raw["final_layer_norm.bias"], **({"lm_head": head} if head is not None else {})}
+    H, Dh, D = c.n_heads, c.head_dim, c.dim
+    for i in range(c.n_layers):
+        p, q = f"layers.{i}.", f"layers.{i}."
+        qkv_w = raw[p + "attention.query_key_value.weight"].reshape(H, 3, Dh, D)        # [H, q|k|v, Dh, D]
+        qkv_b = raw[p + "attention.query_key_value.bias"].reshape(H, 3, Dh)             # [H, q|k|v, Dh]
+        for j, name in enumerate("qkv"):
+            w[q + "w" + name] = qkv_w[:, j].reshape(H * Dh, D)
+            w[q + "b" + name] = qkv_b[:, j].reshape(H * Dh)
+        w.update({
+            q + "attn_norm": raw[p + "input_layernorm.weight"], q + "attn_norm_b": raw[p + "input_layernorm.bias"],
+            q + "wo": raw[p + "attention.dense.weight"], q + "bo": raw[p + "attention.dense.bias"],
+            q + "ffn_norm": raw[p + "post_attention_layernorm.weight"],
+            q + "ffn_norm_b": raw[p + "post_attention_layernorm.bias"],
+            q + "w_fc": raw[p + "mlp.dense_h_to_4h.weight"], q + "b_fc": raw[p + "mlp.dense_h_to_4h.bias"],
+            q + "w_proj": raw[p + "mlp.dense_4h_to_h.weight"], q + "b_proj": raw[p + "mlp.dense_4h_to_h.bias"],
+        })
+    return {k: np.ascontiguousarray(v) for k, v in w.items()}
 
 
 def _hf_gpt2_names(raw: dict[str, np.ndarray], c: ModelConfig) -> dict[str, np.ndarray]:
@@ -239,7 +281,9 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray], Tokeniz
             raise CheckpointError(f"{path}: shard {f.name} named in the index is missing")
         raw.update(read_safetensors(f))
     try:
-        weights = (_hf_llama_names if config.arch == "llama" else _hf_gpt2_names)(raw, config)
+        names = {"gpt2": _hf_gpt2_names, "gpt_neox": _hf_gpt_neox_names}.get(config.family or config.arch,
+                                                                              _hf_llama_names)
+        weights = names(raw, config)
     except KeyError as e:
         raise CheckpointError(f"{path}: weight {e.args[0]!r} is missing from the safetensors files") from None
     if config.family == "granite":

@@ -81,12 +81,12 @@ class Transformer:
                 wqkv=w("wqkv"), bqkv=w("bqkv"),
                 wo=w("wo"), bo=w("bo"),
                 ffn_norm=w("ffn_norm"), ffn_norm_b=w("ffn_norm_b"),
-                w_in=w("w_in") if c.arch == "llama" else w("w_fc"), b_in=w("b_fc"),
-                w_out=w("w_down") if c.arch == "llama" else w("w_proj"), b_out=w("b_proj"),
+                w_in=w("w_in") if c.mlp == "swiglu" else w("w_fc"), b_in=w("b_fc"),
+                w_out=w("w_down") if c.mlp == "swiglu" else w("w_proj"), b_out=w("b_proj"),
                 q_norm=w("q_norm"), k_norm=w("k_norm"),
             ))
         if c.arch == "llama":  # one table of rotation angles for every position the model supports
-            self.rope_cos, self.rope_sin = rope_tables(c.head_dim, c.context_length, c.rope_theta,
+            self.rope_cos, self.rope_sin = rope_tables(c.rope_dim, c.context_length, c.rope_theta,
                                                        weights.get("rope_freqs"))   # (Llama 3.x's scaling)
         self.activations = activations      # validated by its property setter, like backend
         self.backend = backend              # validated (and kernels warmed up) by the property setter below
@@ -244,7 +244,7 @@ class Transformer:
             q = ops.rmsnorm(q.reshape(T * H, Dh), layer.q_norm, c.norm_eps).reshape(T, H, Dh)
             k = ops.rmsnorm(k.reshape(T * KVH, Dh), layer.k_norm, c.norm_eps).reshape(T, KVH, Dh)
         if rope is not None:                                        # rotate q and k by their positions
-            q, k = ops.apply_rope(q, *rope), ops.apply_rope(k, *rope)
+            q, k = self._rope(ops, q, rope), self._rope(ops, k, rope)
         if len(groups) == 1:                                        # one sequence (or one batch): all the rows
             att = groups[0].attend(i, q, k, v, ops)                 # [T, H*Dh]
         else:                                                       # several: each against its own cache
@@ -254,12 +254,13 @@ class Transformer:
         x = x + ops.linear(att, layer.wo, layer.bo, int8_inputs=int8_inputs)   # [T, D]
         x_mid = x
 
-        # feed-forward
-        h = self._norm(ops, x, layer.ffn_norm, layer.ffn_norm_b)   # [T, D]
-        if c.arch == "llama":
+        # feed-forward (gpt-neox: on the block's input, beside attention, not after it)
+        h = self._norm(ops, x_in if c.parallel_residual else x, layer.ffn_norm, layer.ffn_norm_b)   # [T, D]
+        if c.mlp == "swiglu":
             h = ops.swiglu(ops.linear(h, layer.w_in, int8_inputs=int8_inputs))   # [T, 2F] -> [T, F]: silu(gate) * up
         else:
-            h = ops.gelu_tanh(ops.linear(h, layer.w_in, layer.b_in, int8_inputs=int8_inputs))   # [T, F]
+            gelu = ops.gelu_tanh if c.mlp == "gelu_tanh" else ops.gelu
+            h = gelu(ops.linear(h, layer.w_in, layer.b_in, int8_inputs=int8_inputs))   # [T, F]
         x = x + ops.linear(h, layer.w_out, layer.b_out, int8_inputs=int8_inputs)             # [T, D]
         if trace is not None and trace.records_layer(i):
             cache, start = groups[0].cache, groups[0].start             # a traced pass has one sequence
@@ -289,7 +290,8 @@ class Transformer:
         """Llama blocks without attention biases or q/k norms: what the kernels' one-call block computes
         (kernels/block.py)."""
         c = self.config
-        return c.arch == "llama" and not (c.attn_bias or c.qkv_bias or c.qk_norm)
+        return (c.arch == "llama" and c.norm == "rms" and c.mlp == "swiglu" and c.rope_dim == c.head_dim
+                and not (c.attn_bias or c.qkv_bias or c.qk_norm or c.parallel_residual))
 
     def _matrices(self) -> list:
         """Every weight that goes through `linear`."""
@@ -304,8 +306,15 @@ class Transformer:
             return self.tok_embed.dequantize(ids)
         return self.tok_embed[ids]
 
+    def _rope(self, ops, x, rope):
+        """RoPE on each head's first rope_dim dims (all of them, but in gpt-neox). x [T, nh, Dh] -> [T, nh, Dh]"""
+        r = self.config.rope_dim
+        if r == x.shape[-1]:
+            return ops.apply_rope(x, *rope)
+        return np.concatenate([ops.apply_rope(np.ascontiguousarray(x[..., :r]), *rope), x[..., r:]], axis=-1)
+
     def _norm(self, ops, x, weight, bias):
-        if self.config.arch == "llama":
+        if self.config.norm == "rms":
             return ops.rmsnorm(x, weight, self.config.norm_eps)
         return ops.layernorm(x, weight, bias, self.config.norm_eps)
 

@@ -7,6 +7,8 @@ Left out on purpose: caches, quantized formats and dispatch. A quantized weight 
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 
@@ -43,6 +45,14 @@ def swiglu(gate_up: np.ndarray) -> np.ndarray:
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
     """GPT-2's GELU (the tanh approximation, 'gelu_new' in transformers)."""
     return 0.5 * x * (1.0 + np.tanh(np.float32(0.7978845608028654) * (x + np.float32(0.044715) * x * x * x)))
+
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])     # numpy has no erf; math's is exact to double precision
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    """The exact GELU, x * Phi(x) = 0.5 x (1 + erf(x / sqrt 2)) (gpt-neox's 'gelu'; not a hot path)."""
+    return (0.5 * x * (1.0 + _erf(x / np.sqrt(2.0)))).astype(np.float32)
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:

@@ -15,6 +15,7 @@ G = H / KVH query heads per KV head, F feed-forward width, V vocabulary, L layer
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,8 +71,8 @@ def layer_norm(x, weight, bias, eps):
 
 
 def norm(config: ModelConfig, x, weight, bias):
-    """The family's norm: RMSNorm for Llama, LayerNorm (with its bias) for GPT-2."""
-    if config.arch == "llama":
+    """The family's norm: RMSNorm for Llama, LayerNorm (with its bias) for GPT-2, GPT-NeoX, StarCoder2."""
+    if config.norm == "rms":
         return rms_norm(x, weight, config.norm_eps)
     return layer_norm(x, weight, bias, config.norm_eps)
 
@@ -129,8 +130,10 @@ def swiglu(x, w_in):
     return gate / (1.0 + np.exp(-gate)) * up                       # silu(gate) * up
 
 
-def gelu(x):
-    """GPT-2's GELU, the tanh approximation."""
+def gelu(x, exact=False):
+    """GELU: x * Phi(x), the tanh approximation GPT-2 uses, or exactly (GPT-NeoX) with erf."""
+    if exact:
+        return (0.5 * x * (1.0 + np.vectorize(math.erf)(x / np.sqrt(2.0)))).astype(np.float32)
     return 0.5 * x * (1.0 + np.tanh(np.float32(0.7978845608028654) * (x + np.float32(0.044715) * x * x * x)))
 
 
@@ -150,9 +153,8 @@ def new_cache(config: ModelConfig, max_len: int | None = None) -> KVCache:
 # --- the forward pass ---------------------------------------------------------------------------------------------
 def block(config: ModelConfig, layer: dict, i: int, x, positions, cache: KVCache | None, rope_freqs=None):
     """One transformer block: x + attention(norm(x)), then x + mlp(norm(x)). x [T, D] -> [T, D]"""
-    c, T = config, x.shape[0]
-    H, KVH, Dh = c.n_heads, c.n_kv_heads, c.head_dim
-    llama = c.arch == "llama"
+    c, T, x_in = config, x.shape[0], x
+    H, KVH, Dh, r = c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dim
 
     h = norm(c, x, layer["attn_norm"], layer.get("attn_norm_b"))   # [T, D]
     qkv = linear(h, layer["wqkv"], layer.get("bqkv"))              # [T, (H + 2*KVH) * Dh]: q, k, v side by side
@@ -161,16 +163,20 @@ def block(config: ModelConfig, layer: dict, i: int, x, positions, cache: KVCache
     v = qkv[:, (H + KVH) * Dh:].reshape(T, KVH, Dh)               # [T, KVH, Dh]
     if "q_norm" in layer:                                          # qwen3: RMSNorm of each head's q and k
         q, k = rms_norm(q, layer["q_norm"], c.norm_eps), rms_norm(k, layer["k_norm"], c.norm_eps)
-    if llama:
-        q, k = rope(q, positions, c.rope_theta, rope_freqs), rope(k, positions, c.rope_theta, rope_freqs)
+    if c.arch == "llama":                                          # RoPE on each head's first r dims (all, mostly)
+        q, k = [np.concatenate([rope(t[..., :r], positions, c.rope_theta, rope_freqs), t[..., r:]], axis=-1)
+                for t in (q, k)]
     start = int(positions[0])
     if cache is not None:                                          # keep this pass's K, V; attend to all so far
         cache.k[i, start:start + T], cache.v[i, start:start + T] = k, v
         k, v = cache.k[i, :start + T], cache.v[i, :start + T]      # [S, KVH, Dh] each
     x = x + linear(attention(q, k, v, start), layer["wo"], layer.get("bo"))   # [T, D]
 
-    h = norm(c, x, layer["ffn_norm"], layer.get("ffn_norm_b"))     # [T, D]
-    h = swiglu(h, layer["w_in"]) if llama else gelu(linear(h, layer["w_in"], layer.get("b_in")))   # [T, F]
+    h = norm(c, x_in if c.parallel_residual else x, layer["ffn_norm"], layer.get("ffn_norm_b"))   # [T, D]
+    if c.mlp == "swiglu":
+        h = swiglu(h, layer["w_in"])                               # [T, F]
+    else:
+        h = gelu(linear(h, layer["w_in"], layer.get("b_in")), exact=c.mlp == "gelu")   # [T, F]
     return x + linear(h, layer["w_out"], layer.get("b_out"))      # [T, D]
 
 

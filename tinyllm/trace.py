@@ -179,11 +179,11 @@ class Trace:
         x = self._cat(layer, "out")                                  # [S, D]
         if positions is not None:
             x = x[list(positions)]                                   # [P, D]
-        if m.config.arch == "llama":
+        if m.config.norm == "rms":
             h = ops.rmsnorm(x, m.final_norm, m.config.norm_eps)
         else:
             h = ops.layernorm(x, m.final_norm, m.final_norm_b, m.config.norm_eps)
-        logits = NumpyOps.linear(h, m.lm_head, int8_inputs=m.int8_inputs)   # [S, V]
+        logits = NumpyOps.linear(h, m.lm_head, int8_inputs=m.int8_inputs) / m.config.logit_scale   # [S, V]
         p = ops.softmax(logits.astype(np.float64), axis=-1)
         ids = np.argsort(-p, axis=-1, kind="stable")[:, :top]        # [S, top]
         return ids, np.take_along_axis(p, ids, axis=-1)

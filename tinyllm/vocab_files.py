@@ -180,8 +180,9 @@ def tokenizer_json_vocab(path: Path) -> tuple[dict[str, Any], str | None]:
     generation = json.loads(generation_path.read_text(encoding="utf-8")) if generation_path.exists() else {}
     end_ids = generation.get("eos_token_id")
     end_ids = [] if end_ids is None else [end_ids] if type(end_ids) is int else end_ids
-    if not (isinstance(end_ids, list) and all(type(i) is int and 0 <= i < len(token_bytes) for i in end_ids)):
+    if not (isinstance(end_ids, list) and all(type(i) is int and i >= 0 for i in end_ids)):
         raise ValueError(f"{generation_path}: eos_token_id {end_ids} is not a token id (or a list of them)")
+    end_ids = [i for i in end_ids if i < len(token_bytes)]    # one past the vocab is never generated (as HF warns)
     return dict(token_bytes=token_bytes, merges=merges, pattern=pattern, added_tokens=added, special_ids=special,
                 end_ids=end_ids, bos_id=token_id("bos_token"), eos_id=token_id("eos_token"), chat_template=template,
                 ignore_merges=bool(model.get("ignore_merges", False))), model.get("unk_token")

@@ -42,9 +42,9 @@ from .intdot import HAVE_VNNI  # noqa: E402
 from .pointwise import apply_rope, rmsnorm  # noqa: E402
 from .warmup import warmup, warmup_paged  # noqa: E402
 
-layernorm, gelu_tanh = ops.layernorm, ops.gelu_tanh     # not hot: the numpy functions serve
+layernorm, gelu_tanh, gelu = ops.layernorm, ops.gelu_tanh, ops.gelu     # not hot: the numpy functions serve
 
-__all__ = ["linear", "rmsnorm", "layernorm", "apply_rope", "swiglu", "gelu_tanh", "attention", "paged_attention",
+__all__ = ["linear", "rmsnorm", "layernorm", "apply_rope", "swiglu", "gelu_tanh", "gelu", "attention", "paged_attention",
            "decode_blocks", "block_weights", "cache_operands", "for_rows", "FUSED_ROWS", "PREFILL_CHUNK", "SMALL_M",
            "HAVE_VNNI", "warmup", "warmup_paged"]
 

@@ -12,8 +12,9 @@ from .pointwise import apply_rope, rmsnorm, swiglu_into
 
 TILE_ROWS = 512           # rows of a quantized weight dequantized at a time (fits in L2)
 attention, paged_attention = NumpyOps.attention, NumpyOps.paged_attention
-layernorm, gelu_tanh = NumpyOps.layernorm, NumpyOps.gelu_tanh
-__all__ = ["linear", "rmsnorm", "layernorm", "apply_rope", "swiglu", "gelu_tanh", "attention", "paged_attention"]
+layernorm, gelu_tanh, gelu = NumpyOps.layernorm, NumpyOps.gelu_tanh, NumpyOps.gelu
+__all__ = ["linear", "rmsnorm", "layernorm", "apply_rope", "swiglu", "gelu_tanh", "gelu", "attention",
+           "paged_attention"]
 
 
 def linear(x: np.ndarray, w, b: np.ndarray | None = None, int8_inputs: bool = False) -> np.ndarray:
