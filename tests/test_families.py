@@ -37,6 +37,7 @@ FAMILIES = {
                 "llama-bpe"),
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {}, "starcoder"),   # LayerNorm, GELU, biases
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(rotary_pct=0.5, num_key_value_heads=None), "gpt-2"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}, "llama-bpe"),    # norms after the sublayers, q/k norms over all
 }
 
 
@@ -127,15 +128,13 @@ def test_each_difference_matters(family):
     elif name == "qwen2":
         for layer in model.layers:
             layer.bqkv = None
-    elif name == "qwen3":
-        for layer in model.layers:
-            layer.q_norm = layer.k_norm = None
     elif name == "starcoder2":
         for layer in model.layers:
             layer.b_in = layer.b_out = None
-    elif name == "gpt_neox":
+    elif name in ("gpt_neox", "olmo2", "qwen3"):
         import dataclasses
-        model.config = dataclasses.replace(model.config, parallel_residual=False)
+        model.config = dataclasses.replace(model.config, **{"gpt_neox": dict(parallel_residual=False),
+                                                            "olmo2": dict(qk_norm=""), "qwen3": dict(qk_norm="")}[name])
     else:
         import dataclasses
         model.config = dataclasses.replace(model.config, logit_scale=1.0)
@@ -160,8 +159,19 @@ def test_unsupported_family_or_rope_is_a_one_line_error(tmp_path):
     cfg = json.loads(path.read_text())
     path.write_text(json.dumps(cfg | {"model_type": "falcon"}))
     with pytest.raises(CheckpointError, match=r"model_type 'falcon' is not supported \(tinyllm runs llama, "
-                                              r"mistral, qwen2, qwen3, granite, starcoder2, gpt_neox and gpt2\)"):
+                                              r"mistral, qwen2, qwen3, granite, starcoder2, gpt_neox, olmo2 and gpt2\)"):
         tinyllm.load(tmp_path)
     path.write_text(json.dumps(cfg | {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}))
     with pytest.raises(CheckpointError, match="RoPE scaling 'yarn' is not supported"):
         tinyllm.load(tmp_path)
+
+
+def test_a_sliding_window_makes_the_context(tmp_path):
+    """Attention within a window of W positions is full attention for sequences of at most W: the context is W."""
+    make_family("mistral", tmp_path)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"sliding_window": 32}))
+    model = tinyllm.load(tmp_path)
+    assert model.config.context_length == 32
+    with pytest.raises(ValueError, match="exceeds the model's context length 32"):
+        model.logits(np.arange(33))

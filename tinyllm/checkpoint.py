@@ -3,7 +3,8 @@ and errors that name the file.
 
     tok_embed [V, D]   lm_head [V, D] (absent when tied)   final_norm [D] (+ final_norm_b)   pos_embed [P, D]
     layers.{i}.attn_norm [D]  wq [H*Dh, D]  wk, wv [KVH*Dh, D]  wo [D, H*Dh]  ffn_norm [D]
-    llama: layers.{i}.w_gate, w_up [F, D]  w_down [D, F]  (qwen2: + bq bk bv; qwen3: + q_norm k_norm [Dh])
+    llama: layers.{i}.w_gate, w_up [F, D]  w_down [D, F]  (qwen2: + bq bk bv; qwen3: + q_norm k_norm [Dh];
+           olmo2: q_norm [H*Dh] k_norm [KVH*Dh], attn_post_norm ffn_post_norm [D] instead of attn_norm ffn_norm)
            rope_freqs [Dh/2] (Llama 3.x: RoPE frequency divisors)
     gpt2:  layers.{i}.w_fc [F, D]  w_proj [D, F]  and biases bq bk bv bo b_fc b_proj attn_norm_b ffn_norm_b
            (starcoder2, gpt-neox: w_fc / w_proj and the same biases, with RoPE)
@@ -65,7 +66,11 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
         if c.attn_bias:
             shapes[p + "bo"] = (D,)
         if c.qk_norm:
-            shapes.update({p + "q_norm": (c.head_dim,), p + "k_norm": (c.head_dim,)})
+            each = c.qk_norm == "head"
+            shapes.update({p + "q_norm": (c.head_dim if each else c.q_dim,), p + "k_norm": (c.head_dim if each else c.kv_dim,)})
+        if c.post_norm:                                     # olmo2: the norms after attention and the MLP, no others
+            del shapes[p + "attn_norm"], shapes[p + "ffn_norm"]
+            shapes.update({p + "attn_post_norm": (D,), p + "ffn_post_norm": (D,)})
         if c.mlp == "swiglu":
             shapes.update({p + "w_gate": (F, D), p + "w_up": (F, D), p + "w_down": (D, F)})
         else:

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 ARCHITECTURES = ("llama", "gpt2")
 # checkpoint families that run as RoPE blocks (arch "llama"), each difference a config field: qwen2 qkv_bias, qwen3
 # qk_norm, granite embed_scale / logit_scale (and scales folded into weights at load: checkpoint.fold_scales),
-# starcoder2 norm / mlp / biases, gpt_neox also rotary_dim and parallel_residual
-LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "granite", "starcoder2", "gpt_neox")
+# starcoder2 norm / mlp / biases, gpt_neox also rotary_dim and parallel_residual, olmo2 post_norm and qk_norm "all"
+LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "granite", "starcoder2", "gpt_neox", "olmo2")
 NORMS, MLPS = ("rms", "layer"), ("swiglu", "gelu_tanh", "gelu")
 
 
@@ -38,7 +38,9 @@ class ModelConfig:
     tie_embeddings: bool = True   # output head shares the token embedding table
     attn_bias: bool = False       # q/k/v/o projections carry biases (gpt2: always)
     qkv_bias: bool = False        # q/k/v projections carry biases, o does not (qwen2)
-    qk_norm: bool = False         # q and k RMS-normed per head before RoPE, weights [Dh] (qwen3, olmo2-style)
+    qk_norm: str = ""             # q and k RMS-normed before RoPE: "head" (each head's Dh values: qwen3) or "all"
+                                  # (the whole row of q, of k: olmo2)
+    post_norm: bool = False       # the norms apply to attention's and the MLP's outputs, not inputs (olmo2)
     explicit_head_dim: int | None = None  # when Dh != D / H (some llama variants say so in config.json)
     embed_scale: float = 1.0      # the token embeddings are multiplied by this (granite)
     logit_scale: float = 1.0      # the logits are divided by this (granite)
@@ -56,6 +58,8 @@ class ModelConfig:
         llama = self.arch == "llama"         # the block's defaults: what a config that says nothing more means
         object.__setattr__(self, "norm", self.norm or ("rms" if llama else "layer"))
         object.__setattr__(self, "mlp", self.mlp or ("swiglu" if llama else "gelu_tanh"))
+        if self.qk_norm not in ("", "head", "all"):
+            raise ValueError(f"qk_norm must be '', 'head' or 'all', got {self.qk_norm!r}")
         if self.norm not in NORMS or self.mlp not in MLPS:
             raise ValueError(f"norm must be one of {NORMS} and mlp one of {MLPS}, got {self.norm!r}, {self.mlp!r}")
         for field in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "context_length"):
@@ -106,7 +110,7 @@ class ModelConfig:
         if self.attn_bias or self.qkv_bias:
             attn += self.q_dim + 2 * self.kv_dim + (D if self.attn_bias else 0)
         if self.qk_norm:
-            attn += 2 * self.head_dim
+            attn += 2 * self.head_dim if self.qk_norm == "head" else self.q_dim + self.kv_dim
         mlp = 3 * D * F if self.mlp == "swiglu" else 2 * D * F + F + D
         norms = 2 * D if self.norm == "rms" else 4 * D                    # a block's two (with biases)
         extra = D if self.norm == "rms" else 2 * D                        # the final norm

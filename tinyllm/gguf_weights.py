@@ -34,7 +34,7 @@ _OPTIONAL_NAMES = {  # present only in some families (the config says which: che
 # GGUF architecture -> does llama.cpp's converter permute its q/k rows for adjacent-pair RoPE? (llama and granite
 # rotate adjacent pairs, "normal" RoPE; qwen2 and qwen3 rotate half-split pairs, "neox" RoPE, as HF does)
 GGUF_ARCHITECTURES = {"llama": True, "granite": True, "qwen2": False, "qwen3": False, "starcoder2": False,
-                      "gptneox": False}
+                      "gptneox": False, "olmo2": False}
 FAMILY_NAMES = {"gptneox": "gpt_neox"}      # where llama.cpp's name of an architecture is not Hugging Face's
 LAYER_NORM_ARCHITECTURES = ("starcoder2", "gptneox")   # LayerNorm with biases, an MLP of one matrix in and one out
 
@@ -49,6 +49,10 @@ def tensor_names(config: ModelConfig) -> dict[str, str]:
     if config.norm == "layer":
         names |= {"blk.{i}.attn_norm.bias": "layers.{i}.attn_norm_b", "blk.{i}.ffn_norm.bias": "layers.{i}.ffn_norm_b",
                   "output_norm.bias": "final_norm_b"}
+    if config.post_norm:                        # olmo2: a norm after attention and after the MLP, none before
+        del names["blk.{i}.attn_norm.weight"], names["blk.{i}.ffn_norm.weight"]
+        names |= {"blk.{i}.post_attention_norm.weight": "layers.{i}.attn_post_norm",
+                  "blk.{i}.post_ffw_norm.weight": "layers.{i}.ffn_post_norm"}
     if config.family == "gpt_neox":             # q, k and v in one tensor, rows [q | k | v]: split after reading
         for part in "qkv":
             del names[f"blk.{{i}}.attn_{part}.weight"]
@@ -77,6 +81,9 @@ def gguf_config(gg: GGUFFile) -> ModelConfig:
     head_dim = get("attention.key_length") if f"{arch}.attention.key_length" in md else None
     granite, layer_norm = arch == "granite", arch in LAYER_NORM_ARCHITECTURES
     rope_dims = get("rope.dimension_count") if f"{arch}.rope.dimension_count" in md else None
+    q_norm = gg.tensors.get("blk.0.attn_q_norm.weight")       # [Dh]: each head's (qwen3); [H*Dh]: all (olmo2)
+    qk_norm = "" if q_norm is None else "head" if q_norm.shape[0] == (head_dim or get("embedding_length") // n_heads) \
+        else "all"
     return model_config(
         gg.path, arch="llama", vocab_size=vocab, dim=get("embedding_length"), n_layers=get("block_count"),
         n_heads=n_heads, n_kv_heads=get("attention.head_count_kv", default=n_heads),
@@ -84,7 +91,7 @@ def gguf_config(gg: GGUFFile) -> ModelConfig:
         norm_eps=get("attention.layer_norm_epsilon" if layer_norm else "attention.layer_norm_rms_epsilon", float),
         rope_theta=get("rope.freq_base", float, 10000.0),
         tie_embeddings="output.weight" not in gg.tensors, qkv_bias="blk.0.attn_q.bias" in gg.tensors,
-        attn_bias="blk.0.attn_output.bias" in gg.tensors, qk_norm="blk.0.attn_q_norm.weight" in gg.tensors,
+        attn_bias="blk.0.attn_output.bias" in gg.tensors, qk_norm=qk_norm, post_norm="blk.0.post_ffw_norm.weight" in gg.tensors,
         explicit_head_dim=head_dim, embed_scale=get("embedding_scale", float, 1.0) if granite else 1.0,
         logit_scale=get("logit_scale", float, 1.0) if granite else 1.0, norm="layer" if layer_norm else "rms",
         # gpt-neox was trained with the exact GELU (llama.cpp runs its tanh approximation), starcoder2 with tanh's

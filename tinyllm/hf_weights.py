@@ -134,7 +134,8 @@ def hf_config(cfg: dict, source: str) -> ModelConfig:
             rope_theta=config_number(theta, "config.json 'rope_theta'", source, float),
             tie_embeddings=flag("tie_word_embeddings") if "tie_word_embeddings" in cfg else starcoder2,
             attn_bias=flag("attention_bias") or starcoder2, qkv_bias=model_type == "qwen2",
-            qk_norm=model_type == "qwen3", explicit_head_dim=head_dim,
+            qk_norm={"qwen3": "head", "olmo2": "all"}.get(model_type, ""), post_norm=model_type == "olmo2",
+            explicit_head_dim=head_dim,
             embed_scale=get("embedding_multiplier", float, 1.0) if granite else 1.0,
             logit_scale=get("logits_scaling", float, 1.0) if granite else 1.0,
             norm="layer" if neox or starcoder2 else "rms", mlp=mlp, rotary_dim=rotary_dim,
@@ -199,8 +200,12 @@ def _hf_llama_names(raw: dict[str, np.ndarray], c: ModelConfig) -> dict[str, np.
                          ("self_attn.k_norm.weight", "k_norm"), ("input_layernorm.bias", "attn_norm_b"),
                          ("post_attention_layernorm.bias", "ffn_norm_b"), ("mlp.c_fc.weight", "w_fc"),
                          ("mlp.c_fc.bias", "b_fc"), ("mlp.c_proj.weight", "w_proj"), ("mlp.c_proj.bias", "b_proj")]:
+            if c.post_norm:          # olmo2 names its norms after where they were: after attention, after the MLP
+                ours = {"ffn_norm": "attn_post_norm"}.get(ours, ours)
             if p + hf in raw:
                 w[q + ours] = raw[p + hf]
+        if p + "post_feedforward_layernorm.weight" in raw:
+            w[q + "ffn_post_norm"] = raw[p + "post_feedforward_layernorm.weight"]
     return w
 
 

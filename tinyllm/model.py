@@ -42,8 +42,10 @@ class LayerWeights:
     bo: np.ndarray | None = None
     b_in: np.ndarray | None = None
     b_out: np.ndarray | None = None
-    q_norm: np.ndarray | None = None        # [Dh]: per-head RMSNorm of q and k before RoPE (config.qk_norm)
+    q_norm: np.ndarray | None = None        # [Dh] or [H*Dh]: RMSNorm of q (and k) before RoPE (config.qk_norm)
     k_norm: np.ndarray | None = None
+    attn_post_norm: np.ndarray | None = None   # [D]: olmo2's norms of attention's and the MLP's outputs
+    ffn_post_norm: np.ndarray | None = None
 
 
 class Transformer:
@@ -83,7 +85,8 @@ class Transformer:
                 ffn_norm=w("ffn_norm"), ffn_norm_b=w("ffn_norm_b"),
                 w_in=w("w_in") if c.mlp == "swiglu" else w("w_fc"), b_in=w("b_fc"),
                 w_out=w("w_down") if c.mlp == "swiglu" else w("w_proj"), b_out=w("b_proj"),
-                q_norm=w("q_norm"), k_norm=w("k_norm"),
+                q_norm=w("q_norm"), k_norm=w("k_norm"), attn_post_norm=w("attn_post_norm"),
+                ffn_post_norm=w("ffn_post_norm"),
             ))
         if c.arch == "llama":  # one table of rotation angles for every position the model supports
             self.rope_cos, self.rope_sin = rope_tables(c.rope_dim, c.context_length, c.rope_theta,
@@ -235,14 +238,15 @@ class Transformer:
         T, H, KVH, Dh = x.shape[0], c.n_heads, c.n_kv_heads, c.head_dim
 
         # attention
-        h = self._norm(ops, x, layer.attn_norm, layer.attn_norm_b) # [T, D]
+        h = x if c.post_norm else self._norm(ops, x, layer.attn_norm, layer.attn_norm_b)   # [T, D]
         qkv = ops.linear(h, layer.wqkv, layer.bqkv, int8_inputs=int8_inputs)   # [T, (H + 2*KVH) * Dh]
         q = qkv[:, :H * Dh].reshape(T, H, Dh)                       # [T, H, Dh]
         k = qkv[:, H * Dh:(H + KVH) * Dh].reshape(T, KVH, Dh)      # [T, KVH, Dh]
         v = qkv[:, (H + KVH) * Dh:].reshape(T, KVH, Dh)            # [T, KVH, Dh]
-        if layer.q_norm is not None:                                # qwen3: each head's q and k RMS-normed
-            q = ops.rmsnorm(q.reshape(T * H, Dh), layer.q_norm, c.norm_eps).reshape(T, H, Dh)
-            k = ops.rmsnorm(k.reshape(T * KVH, Dh), layer.k_norm, c.norm_eps).reshape(T, KVH, Dh)
+        if c.qk_norm:                                               # RMSNorm of each head's q and k (qwen3), or of
+            rows = (T * H, T * KVH) if c.qk_norm == "head" else (T, T)    # all heads' values together (olmo2)
+            q = ops.rmsnorm(q.reshape(rows[0], -1), layer.q_norm, c.norm_eps).reshape(T, H, Dh)
+            k = ops.rmsnorm(k.reshape(rows[1], -1), layer.k_norm, c.norm_eps).reshape(T, KVH, Dh)
         if rope is not None:                                        # rotate q and k by their positions
             q, k = self._rope(ops, q, rope), self._rope(ops, k, rope)
         if len(groups) == 1:                                        # one sequence (or one batch): all the rows
@@ -251,17 +255,20 @@ class Transformer:
             att = np.empty((T, H * Dh), dtype=np.float32)
             for g in groups:
                 att[g.rows] = g.attend(i, q[g.rows], k[g.rows], v[g.rows], ops)
-        x = x + ops.linear(att, layer.wo, layer.bo, int8_inputs=int8_inputs)   # [T, D]
+        out = ops.linear(att, layer.wo, layer.bo, int8_inputs=int8_inputs)   # [T, D]
+        x = x + (self._norm(ops, out, layer.attn_post_norm, None) if c.post_norm else out)   # (olmo2: normed)
         x_mid = x
 
         # feed-forward (gpt-neox: on the block's input, beside attention, not after it)
-        h = self._norm(ops, x_in if c.parallel_residual else x, layer.ffn_norm, layer.ffn_norm_b)   # [T, D]
+        h = x if c.post_norm else self._norm(ops, x_in if c.parallel_residual else x, layer.ffn_norm,
+                                             layer.ffn_norm_b)             # [T, D]
         if c.mlp == "swiglu":
             h = ops.swiglu(ops.linear(h, layer.w_in, int8_inputs=int8_inputs))   # [T, 2F] -> [T, F]: silu(gate) * up
         else:
             gelu = ops.gelu_tanh if c.mlp == "gelu_tanh" else ops.gelu
             h = gelu(ops.linear(h, layer.w_in, layer.b_in, int8_inputs=int8_inputs))   # [T, F]
-        x = x + ops.linear(h, layer.w_out, layer.b_out, int8_inputs=int8_inputs)             # [T, D]
+        out = ops.linear(h, layer.w_out, layer.b_out, int8_inputs=int8_inputs)             # [T, D]
+        x = x + (self._norm(ops, out, layer.ffn_post_norm, None) if c.post_norm else out)
         if trace is not None and trace.records_layer(i):
             cache, start = groups[0].cache, groups[0].start             # a traced pass has one sequence
             if cache is not None:                                   # what attention read: the stored, rounded K/V
@@ -291,7 +298,7 @@ class Transformer:
         (kernels/block.py)."""
         c = self.config
         return (c.arch == "llama" and c.norm == "rms" and c.mlp == "swiglu" and c.rope_dim == c.head_dim
-                and not (c.attn_bias or c.qkv_bias or c.qk_norm or c.parallel_residual))
+                and not (c.attn_bias or c.qkv_bias or c.qk_norm or c.parallel_residual or c.post_norm))
 
     def _matrices(self) -> list:
         """Every weight that goes through `linear`."""

@@ -156,13 +156,16 @@ def block(config: ModelConfig, layer: dict, i: int, x, positions, cache: KVCache
     c, T, x_in = config, x.shape[0], x
     H, KVH, Dh, r = c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dim
 
-    h = norm(c, x, layer["attn_norm"], layer.get("attn_norm_b"))   # [T, D]
+    h = x if c.post_norm else norm(c, x, layer["attn_norm"], layer.get("attn_norm_b"))   # [T, D] (olmo2: after)
     qkv = linear(h, layer["wqkv"], layer.get("bqkv"))              # [T, (H + 2*KVH) * Dh]: q, k, v side by side
     q = qkv[:, :H * Dh].reshape(T, H, Dh)                          # [T, H, Dh]
     k = qkv[:, H * Dh:(H + KVH) * Dh].reshape(T, KVH, Dh)         # [T, KVH, Dh]
     v = qkv[:, (H + KVH) * Dh:].reshape(T, KVH, Dh)               # [T, KVH, Dh]
-    if "q_norm" in layer:                                          # qwen3: RMSNorm of each head's q and k
+    if c.qk_norm == "head":                                        # qwen3: RMSNorm of each head's q and k
         q, k = rms_norm(q, layer["q_norm"], c.norm_eps), rms_norm(k, layer["k_norm"], c.norm_eps)
+    elif c.qk_norm == "all":                                       # olmo2: of all heads' q (k) values together
+        q = rms_norm(q.reshape(T, -1), layer["q_norm"], c.norm_eps).reshape(T, H, Dh)
+        k = rms_norm(k.reshape(T, -1), layer["k_norm"], c.norm_eps).reshape(T, KVH, Dh)
     if c.arch == "llama":                                          # RoPE on each head's first r dims (all, mostly)
         q, k = [np.concatenate([rope(t[..., :r], positions, c.rope_theta, rope_freqs), t[..., r:]], axis=-1)
                 for t in (q, k)]
@@ -170,14 +173,16 @@ def block(config: ModelConfig, layer: dict, i: int, x, positions, cache: KVCache
     if cache is not None:                                          # keep this pass's K, V; attend to all so far
         cache.k[i, start:start + T], cache.v[i, start:start + T] = k, v
         k, v = cache.k[i, :start + T], cache.v[i, :start + T]      # [S, KVH, Dh] each
-    x = x + linear(attention(q, k, v, start), layer["wo"], layer.get("bo"))   # [T, D]
+    out = linear(attention(q, k, v, start), layer["wo"], layer.get("bo"))   # [T, D]
+    x = x + (rms_norm(out, layer["attn_post_norm"], c.norm_eps) if c.post_norm else out)
 
-    h = norm(c, x_in if c.parallel_residual else x, layer["ffn_norm"], layer.get("ffn_norm_b"))   # [T, D]
+    h = x if c.post_norm else norm(c, x_in if c.parallel_residual else x, layer["ffn_norm"], layer.get("ffn_norm_b"))
     if c.mlp == "swiglu":
         h = swiglu(h, layer["w_in"])                               # [T, F]
     else:
         h = gelu(linear(h, layer["w_in"], layer.get("b_in")), exact=c.mlp == "gelu")   # [T, F]
-    return x + linear(h, layer["w_out"], layer.get("b_out"))      # [T, D]
+    out = linear(h, layer["w_out"], layer.get("b_out"))            # [T, D]
+    return x + (rms_norm(out, layer["ffn_post_norm"], c.norm_eps) if c.post_norm else out)
 
 
 def forward(config: ModelConfig, weights: dict, ids, cache: KVCache | None = None):
