@@ -8,7 +8,7 @@ kernels.linear). Norms and the KV cache stay float32; only the big matrices shri
     int8-block    q int8[I], one fp32 scale per block of 32 (like Q8_0)     ~1.125       scale[b] * q
     q4_1          4-bit q in [0, 15] packed two per byte, fp32 scale d and  ~0.75        d[b] * q + m[b]
                   minimum m per block of 32 (llama.cpp's Q4_1 layout)
-    q4_k          4-bit q as q4_1; per block of 32 a 6-bit scale s and     ~0.59        d s[b] q - dmin m[b]
+    q4_k          4-bit q as q4_1; per block of 32 a 6-bit scale s and     ~0.6         d s[b] q - dmin m[b]
                   6-bit minimum m, per super-block of 8 blocks an fp16 d
                   and dmin (llama.cpp's Q4_K, the 4-bit type of Q4_K_M files)
 
