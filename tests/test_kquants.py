@@ -139,3 +139,23 @@ def test_q4_k_on_the_numba_backend_matches_numpy(kquant_file):
     fast = tinyllm.load(path, quant="q4_k")
     assert isinstance(fast.layers[0].w_in, quant.Q4KBlock)
     np.testing.assert_allclose(fast.logits(ids), plain.logits(ids), atol=2e-4)
+
+
+def test_native_q4_k_kernel_matches_its_numpy_twin():
+    """The kernel reading Q4_K's super-blocks (int8 activations) against the numpy backend's rounded-input linear;
+    rows of 576: a last super-block of 2 blocks."""
+    from tinyllm.backend import NumpyOps
+    from tinyllm.kernels import intdot
+    from tinyllm.kernels.kquant_kernels import linear_q4k_a8
+    from tinyllm.kernels.q4_kernels import linear_q4_a8
+    from tinyllm.kernels.weight_formats import kernel_weight
+    rng = np.random.default_rng(5)
+    w = quant.quantize_q4_k(rng.normal(0, 0.05, (40, 576)).astype(np.float32))
+    for rows in (1, 3):
+        x = rng.normal(0, 1, (rows, 576)).astype(np.float32)
+        out, bridge = np.empty((rows, 40), np.float32), np.empty((rows, 40), np.float32)
+        linear_q4k_a8(w.arrays, x, out, intdot.USE_INT_DOTS)
+        expected = NumpyOps.linear(x, w, int8_inputs=True)                        # [rows, 40]
+        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+        linear_q4_a8(kernel_weight(w), x, bridge, intdot.USE_INT_DOTS)            # the Q4_1 arrays it equals
+        np.testing.assert_array_equal(out, bridge)
