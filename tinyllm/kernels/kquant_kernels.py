@@ -4,7 +4,7 @@ the numpy backend's linear with int8 inputs (round x, dequantize the weight, mul
 
 Per block b of 32 the product is an integer dot product scaled twice, as for Q4_1 (q4_kernels.py), except that the
 block's scale and minimum are made from their 6-bit integers on the way:
-    sum_j W[o, j] xq[j] xs[b] = xs[b] * (d[b // 8] * scales[b] * sum_j q[j] xq[j] - dmin[b // 8] * mins[b] * sum_j xq[j])
+    sum_j W[o, j] xq[j] xs[b] = xs[b] (d[b // 8] scales[b] sum_j q[j] xq[j] - dmin[b // 8] mins[b] sum_j xq[j])
 so each task expands its rows' scales into a scratch of Q4_1's form and runs Q4_1's task on them: the same numbers
 as the Q4_1 arrays a Q4KBlock equals (bit for bit), from 0.6 bytes a weight instead of 0.75.
 Not wired into dispatch.py or the fused block yet: a model still runs a Q4KBlock as those Q4_1 arrays
