@@ -36,12 +36,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--model", default=None, help="a .gguf file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--quant", default=None, choices=["fp32", "int8", "int8-block", "q4_1", "native"],
-                   help="weight format: fp32 (default), int8 per row, int8 per block of 32, 4-bit q4_1, or the "
-                        "file's own blocks")
-    p.add_argument("--quant-head", default=None, choices=["fp32", "int8", "int8-block", "q4_1"],
+    p.add_argument("--quant", default=None, choices=["fp32", "int8", "int8-block", "q4_1", "q4_k", "native"],
+                   help="weight format: fp32 (default), int8 per row, int8 per block of 32, 4-bit q4_1 or q4_k, or "
+                        "the file's own blocks")
+    p.add_argument("--quant-head", default=None, choices=["fp32", "int8", "int8-block", "q4_1", "q4_k"],
                    help="format of the output head (the tied embedding) when quantizing; default: int8-block for "
-                        "q4_1 (a 4-bit head costs much more quality than 4-bit matrices), the matrices' own otherwise")
+                        "the 4-bit formats (a 4-bit head costs much more quality than 4-bit matrices), the matrices' own "
+                        "otherwise")
     p.add_argument("--activations", default="float32", choices=["float32", "int8"],
                    help="with quantized weights: int8 rounds each linear's input to int8 blocks too and multiplies "
                         "in integers (llama.cpp's scheme: faster decode, slightly less exact)")

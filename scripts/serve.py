@@ -32,7 +32,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model", default=None, help="a .gguf file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the file's name)")
-    p.add_argument("--quant", default=None, choices=["fp32", "int8", "int8-block", "q4_1", "native"],
+    p.add_argument("--quant", default=None, choices=["fp32", "int8", "int8-block", "q4_1", "q4_k", "native"],
                    help="weight format (see scripts/generate.py --help)")
     p.add_argument("--activations", default="float32", choices=["float32", "int8"])
     p.add_argument("--threads", type=int, default=None,

@@ -53,7 +53,7 @@ def assert_same_checkpoint(a, b):
     assert tok_a.encode(TEXT, allow_special=True) == tok_b.encode(TEXT, allow_special=True)
 
 
-@pytest.mark.parametrize("quant", [None, "int8", "int8-block", "q4_1"])
+@pytest.mark.parametrize("quant", [None, "int8", "int8-block", "q4_1", "q4_k"])
 def test_a_second_load_maps_what_the_first_converted(tmp_path, cache, quant):
     path = tmp_path / "m.gguf"
     tiny_llama(path, ffn=64)                            # rows of whole 32-value blocks

@@ -41,8 +41,8 @@ def test_bf16_f16_f32():
 
 
 def test_unsupported_type_is_named():
-    with pytest.raises(GGUFError, match="Q4_K is not supported"):
-        dequantize(np.zeros(144, np.uint8), "Q4_K", (256,))
+    with pytest.raises(GGUFError, match=r"IQ2_XXS is not supported \(supported: F32, .*Q4_K.*IQ4_XS\)"):
+        dequantize(np.zeros(66, np.uint8), "IQ2_XXS", (256,))
 
 
 # --- tiny files written here -------------------------------------------------------------------------------
@@ -76,9 +76,9 @@ def test_missing_file():
 
 
 def test_unsupported_tensor_type_on_load(tmp_path):
-    p = tmp_path / "q4k.gguf"
-    tiny_llama(p, dim=256, n_heads=4, n_kv_heads=2, ffn=256, types={"blk.0.ffn_up.weight": "Q4_K"})
-    with pytest.raises(ValueError, match=r"blk\.0\.ffn_up\.weight.*Q4_K is not supported"):
+    p = tmp_path / "iq2.gguf"
+    tiny_llama(p, dim=256, n_heads=4, n_kv_heads=2, ffn=256, types={"blk.0.ffn_up.weight": "IQ2_XXS"})
+    with pytest.raises(ValueError, match=r"blk\.0\.ffn_up\.weight.*IQ2_XXS is not supported"):
         tinyllm.load(p)
 
 

@@ -40,15 +40,15 @@ from pathlib import Path
 import numpy as np
 
 from .config import ModelConfig
-from .quant import Int8Block, Int8Channel, Q4Block, QuantizedWeight
+from .quant import Int8Block, Int8Channel, Q4Block, Q4KBlock, QuantizedWeight
 from .tokenizer import Tokenizer
 
 MAGIC = b"TINYLLM1"
 PREAMBLE = len(MAGIC) + 8 + 32   # magic, header length, header hash
 ALIGN = 64          # every array starts on a cache line (and the kernels' loads are aligned as in memory)
-WEIGHT_CLASSES = {cls.__name__: cls for cls in (Int8Channel, Int8Block, Q4Block)}
-CONVERTING_SOURCES = ("weights.py", "quant.py", "gguf.py", "tokenizer.py", "pretokenize.py", "config.py",
-                      "converted.py")
+WEIGHT_CLASSES = {cls.__name__: cls for cls in (Int8Channel, Int8Block, Q4Block, Q4KBlock)}
+CONVERTING_SOURCES = ("weights.py", "quant.py", "gguf.py", "kquants.py", "gguf_weights.py", "tokenizer.py",
+                      "pretokenize.py", "config.py", "converted.py")
 
 
 def cache_dir() -> Path | None:

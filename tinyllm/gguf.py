@@ -11,8 +11,9 @@ GGUF (llama.cpp's file format) is one file holding everything a model needs:
 Strings are (u64 length, UTF-8 bytes). Dims are in ggml order: dims[0] is the fastest-varying axis, so a
 matrix listed as [576, 49152] is 49152 rows of 576 values; numpy's shape is the reverse.
 
-Quantized types store blocks of 32 values (formats below at `dequantize`). This module reads GGUF v2/v3 and
-dequantizes F32, F16, BF16, Q8_0, Q4_0 and Q4_1; other types are listed but raise a clear error when read.
+Quantized types store blocks of 32 values (formats below at `dequantize`), or super-blocks of 256 (the K-quants,
+kquants.py). This module reads GGUF v2/v3 and dequantizes F32, F16, BF16, Q8_0, Q4_0 and Q4_1 here, Q5_0, Q5_1,
+Q2_K .. Q6_K, IQ4_NL and IQ4_XS with kquants.py; other types are listed but raise a clear error when read.
 It deliberately does not write GGUF files.
 """
 from __future__ import annotations
@@ -25,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .kquants import DEQUANTIZERS
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -51,10 +54,14 @@ GGML_TYPES = {
     0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
     6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 36),
     10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176),
-    14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292), 24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4),
-    27: ("I64", 1, 8), 28: ("F64", 1, 8), 30: ("BF16", 1, 2),
+    14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292), 16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74),
+    18: ("IQ3_XXS", 256, 98), 19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110),
+    22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4),
+    27: ("I64", 1, 8), 28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54),
+    35: ("TQ2_0", 256, 66), 39: ("MXFP4", 32, 17),
 }
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+BLOCK_BYTES = {name: block_bytes for name, _, block_bytes in GGML_TYPES.values()}
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1") + tuple(DEQUANTIZERS)
 
 
 @dataclass(frozen=True)
@@ -237,7 +244,8 @@ class GGUFFile:
 def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.ndarray:
     """Turn a tensor's raw bytes into float32 values of `shape`.
 
-    Block formats (32 values each; within a block, value j is in byte j's low nibble, value j+16 in its high):
+    Block formats of 32 values here (within a block, value j is in byte j's low nibble, value j+16 in its high;
+    the others: kquants.py):
       Q8_0: f16 d, int8 q[32]            -> x = d * q                          (34 bytes)
       Q4_0: f16 d, 16 bytes of nibbles    -> x = d * (q - 8)                   (18 bytes)
       Q4_1: f16 d, f16 m, 16 bytes nibbles -> x = d * q + m                     (20 bytes)
@@ -251,10 +259,12 @@ def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.nd
         return raw.view(np.float16).astype(np.float32).reshape(shape)
     if type_name == "BF16":  # bf16 is the top half of an fp32: shift it back into place
         return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
+    if type_name in DEQUANTIZERS:
+        with np.errstate(invalid="ignore", over="ignore"):          # a corrupt scale: weights.check_finite names it
+            return DEQUANTIZERS[type_name](raw.reshape(-1, BLOCK_BYTES[type_name])).reshape(shape)
 
     # Each value is written straight into the output, so a load holds no temporary copy of a tensor.
-    block_bytes = GGML_TYPES[{"Q8_0": 8, "Q4_0": 2, "Q4_1": 3}[type_name]][2]
-    blocks = raw.reshape(-1, block_bytes)                           # [n_blocks, block_bytes]
+    blocks = raw.reshape(-1, BLOCK_BYTES[type_name])                # [n_blocks, block_bytes]
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)   # [n_blocks, 1] scale
     out = np.empty((blocks.shape[0], QK), dtype=np.float32)         # [n_blocks, 32]
     with np.errstate(invalid="ignore", over="ignore"):              # a corrupt scale: weights.check_finite names it
@@ -262,8 +272,11 @@ def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.nd
             np.multiply(blocks[:, 2:].view(np.int8), d, out=out)
             return out.reshape(shape)
         nibbles = blocks[:, -16:]                                   # [n_blocks, 16]
+        if type_name == "Q4_0":                                     # centred on 8: (q - 8) * d, as ggml rounds it
+            np.multiply((nibbles & 0x0F).view(np.int8) - np.int8(8), d, out=out[:, :16])
+            np.multiply((nibbles >> 4).view(np.int8) - np.int8(8), d, out=out[:, 16:])
+            return out.reshape(shape)
         np.multiply(nibbles & 0x0F, d, out=out[:, :16])             # values 0..15 times the scale
         np.multiply(nibbles >> 4, d, out=out[:, 16:])
-        # Q4_0 centres its values on 8, Q4_1 adds a stored minimum
-        out += -8 * d if type_name == "Q4_0" else blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        out += blocks[:, 2:4].copy().view(np.float16).astype(np.float32)   # Q4_1 adds a stored minimum
     return out.reshape(shape)

@@ -59,6 +59,8 @@ def tensor_names(config: ModelConfig) -> dict[str, str]:
         names |= {"blk.{i}.attn_qkv.weight": "layers.{i}.wqkv", "blk.{i}.attn_qkv.bias": "layers.{i}.bqkv"}
     return names
 
+# The file's matrix types repacked without loss (quant.from_gguf_block) instead of dequantized, per quant setting
+KEPT_AS_STORED = {"native": ("Q4_1", "Q8_0", "Q4_K"), "q4_1": ("Q4_1",), "q4_k": ("Q4_K",)}
 
 
 def gguf_config(gg: GGUFFile) -> ModelConfig:
@@ -134,8 +136,8 @@ def unpermute_rope_rows(w, n_heads: int):
 
 
 def load_gguf(path: str | Path, quant: str | None = None) -> tuple[ModelConfig, dict, Tokenizer]:
-    """Read a llama GGUF. Matrices are dequantized to float32, except that with quant="native" Q4_1 and Q8_0
-    matrices (and with quant="q4_1", Q4_1 matrices) are repacked as they are, without loss."""
+    """Read a llama GGUF. Matrices are dequantized to float32, except those KEPT_AS_STORED[quant], which are
+    repacked as they are, without loss."""
     try:
         gg = GGUFFile(path)
     except GGUFError as e:
@@ -152,8 +154,7 @@ def load_gguf(path: str | Path, quant: str | None = None) -> tuple[ModelConfig, 
                 raise CheckpointError(f"{gg.path}: tensor {name!r} is missing; the file is not a complete "
                                       f"{config.n_layers}-layer {config.family} model")
             info = gg.tensors[name]
-            keep = (quant == "native" and info.type_name in ("Q4_1", "Q8_0")) or (
-                quant == "q4_1" and info.type_name == "Q4_1")
+            keep = info.type_name in KEPT_AS_STORED.get(quant, ())
             try:
                 if keep and len(info.shape) == 2:
                     weights[canonical.format(i=i)] = from_gguf_block(gg.raw(name), info.type_name, info.shape)

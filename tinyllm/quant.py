@@ -8,10 +8,13 @@ kernels.linear). Norms and the KV cache stay float32; only the big matrices shri
     int8-block    q int8[I], one fp32 scale per block of 32 (like Q8_0)     ~1.125       scale[b] * q
     q4_1          4-bit q in [0, 15] packed two per byte, fp32 scale d and  ~0.75        d[b] * q + m[b]
                   minimum m per block of 32 (llama.cpp's Q4_1 layout)
+    q4_k          4-bit q as q4_1; per block of 32 a 6-bit scale s and     ~0.6         d s[b] q - dmin m[b]
+                  6-bit minimum m, per super-block of 8 blocks an fp16 d
+                  and dmin (llama.cpp's Q4_K, the 4-bit type of Q4_K_M files)
 
 Rounding is to nearest (not truncation); an all-zero row or block gets scale 1 so it still decodes to zeros.
 The default model's file already holds Q4_1 matrices and a Q8_0 embedding: `from_gguf_block` repacks those
-bytes without loss, so tinyllm can run on the file's own 4-bit weights.
+bytes (and a Q4_K_M file's Q4_K ones) without loss, so tinyllm can run on the file's own 4-bit weights.
 
 Optionally the input of a quantized linear is rounded too, as llama.cpp always does: each row of activations to
 int8 with one scale per block of 32 values (Q8_0's scheme, `quantize_activations`; a setting of the model's
@@ -30,8 +33,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .kquants import f16, k4_scales, k4_values
+
 BLOCK = 32
-FORMATS = ("int8", "int8-block", "q4_1")
+SUPER = 8   # q4_k: blocks of 32 per super-block (256 values, as ggml's QK_K)
+FORMATS = ("int8", "int8-block", "q4_1", "q4_k")
 
 
 class QuantizedWeight:
@@ -110,6 +116,43 @@ class Q4Block(QuantizedWeight):
         return (q * self.d[rows, :, None] + self.m[rows, :, None]).reshape(p.shape[0], -1)   # [o, I]
 
 
+@dataclass(repr=False)
+class Q4KBlock(QuantizedWeight):
+    """llama.cpp's Q4_K: 4-bit values as Q4_1's, but the scale and the minimum of each block of 32 are 6-bit
+    integers, multiples of two fp16 numbers d and dmin shared by a super-block of 8 blocks (256 values). 4.5 + 1.5
+    bits of scales per 32 values, not Q4_1's 32: the same 4-bit values in 0.59 bytes per weight instead of 0.75.
+    The Numba kernels run it as the Q4_1 arrays it equals (`as_q4_1`) until they read super-blocks themselves."""
+
+    packed: np.ndarray  # [O, I/2] uint8, Q4_1's nibble order within each block of 32
+    scales: np.ndarray  # [O, I/32] uint8 in [0, 63]: block b's scale is d[b // 8] * scales[b]
+    mins: np.ndarray    # [O, I/32] uint8 in [0, 63]: block b's minimum is -dmin[b // 8] * mins[b]
+    d: np.ndarray       # [O, ceil(I/256)] float32 (fp16 values); a last super-block may have fewer than 8 blocks
+    dmin: np.ndarray    # [O, ceil(I/256)] float32 (fp16 values)
+
+    @property
+    def shape(self):
+        return self.packed.shape[0], self.packed.shape[1] * 2
+
+    def block_scales(self, rows=slice(None)) -> tuple[np.ndarray, np.ndarray]:
+        """(scale, minimum to subtract) of every block of 32, in float32 as ggml computes them. -> [o, I/32] each"""
+        sup = np.arange(self.scales.shape[1]) // SUPER                               # [I/32] super-block of a block
+        return self.d[rows][:, sup] * self.scales[rows], self.dmin[rows][:, sup] * self.mins[rows]
+
+    def dequantize(self, rows=slice(None)):
+        scale, minimum = self.block_scales(rows)                                     # [o, I/32] each
+        p = self.packed[rows]
+        nib = p.reshape(p.shape[0], -1, BLOCK // 2)                                  # [o, I/32, 16]
+        q = np.concatenate([nib & 0x0F, nib >> 4], axis=-1).astype(np.float32)      # [o, I/32, 32]
+        return (scale[..., None] * q - minimum[..., None]).reshape(p.shape[0], -1)   # [o, I]
+
+    @functools.cached_property
+    def as_q4_1(self) -> Q4Block:
+        """The same values as a Q4Block (the nibbles shared, a float32 scale and minimum per block): exact, since
+        d * q + (-m) rounds as d * q - m."""
+        scale, minimum = self.block_scales()
+        return Q4Block(self.packed, scale, -minimum)
+
+
 # --- activations ---------------------------------------------------------------------------------------------
 def quantize_activations(x: np.ndarray, block: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
     """Round each row of x [M, I] to int8 with one scale per block of 32 values: -> (xq [M, I] int8,
@@ -179,7 +222,74 @@ def quantize_q4_1(w: np.ndarray, block: int = BLOCK) -> Q4Block:
     return Q4Block(packed.reshape(w.shape[0], -1), d, lo.astype(np.float32))
 
 
-QUANTIZERS = {"int8": quantize_int8_channel, "int8-block": quantize_int8_block, "q4_1": quantize_q4_1}
+def quantize_q4_k(w: np.ndarray, block: int = BLOCK) -> Q4KBlock:
+    """llama.cpp's Q4_K scheme (quantize_row_q4_K_ref in ggml-quants.c), in three steps:
+      1. each block of 32 gets the scale s and minimum m (x ~ s * q - m, q in [0, 15]) of `fit_scale_and_min`;
+      2. each super-block of 8 blocks stores d = max s / 63 and dmin = max m / 63 as fp16, and each block
+         round(s / d) and round(m / dmin), 6 bits each;
+      3. the values are rounded against those stored scales: q = round((x + dmin * m6) / (d * s6)), in [0, 15].
+    Unlike ggml, a row need not be a multiple of 256 long (the default model's rows are 576): the last
+    super-block may hold fewer than 8 blocks."""
+    if block != BLOCK:
+        raise ValueError(f"q4_k uses blocks of {BLOCK} values, got block={block}")
+    w = _check(w, block)
+    O, I = w.shape
+    x = w.reshape(O, I // BLOCK, BLOCK)                                              # [O, B, 32]
+    scale, minimum = fit_scale_and_min(x)                                            # [O, B] each
+    nb, ns = I // BLOCK, -(-I // (BLOCK * SUPER))
+    sup = np.arange(nb) // SUPER                                                     # [B] super-block of a block
+    stored = []
+    for value in (scale, minimum):                                                   # step 2, for both
+        padded = np.pad(value, ((0, 0), (0, ns * SUPER - nb)))                       # [O, S * 8] (values >= 0)
+        top = padded.reshape(O, ns, SUPER).max(axis=-1)                              # [O, S] largest of each
+        unit = (top / 63).astype(np.float16).astype(np.float32)                      # [O, S] d or dmin
+        with np.errstate(divide="ignore", invalid="ignore"):
+            six = np.where(top[:, sup] > 0, np.rint(value * (63 / top)[:, sup]), 0)  # [O, B]
+        stored += [unit, np.clip(six, 0, 63).astype(np.uint8)]
+    d, scales, dmin, mins = stored
+    s, m = d[:, sup] * scales, dmin[:, sup] * mins                                   # [O, B] as dequantized
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(s[..., None] > 0, np.rint((x + m[..., None]) / s[..., None]), 0)   # step 3, [O, B, 32]
+    q = np.clip(q, 0, 15).astype(np.uint8)
+    packed = q[..., :16] | (q[..., 16:] << 4)                                        # [O, B, 16]
+    return Q4KBlock(packed.reshape(O, -1), scales, mins, d, dmin)
+
+
+def fit_scale_and_min(x: np.ndarray, nmax: int = 15, steps: int = 20) -> tuple[np.ndarray, np.ndarray]:
+    """For each row of x [..., n] a scale s >= 0 and minimum m >= 0 with x ~ s * q - m, q = round((x + m) / s) in
+    [0, nmax], by ggml's make_qkx2_quants: the error is weighted by |x| + rms(x) (large values matter more);
+    it tries the grids of (nmax - 1 + 0.1 k) steps, k = 0 .. steps, from min(x, 0) to max(x), and for the q each
+    grid gives, the least-squares s and m (the minimum kept at or below 0), keeping the fit with the least error.
+    -> (s, m) [...] float32"""
+    wts = np.sqrt(np.mean(x * x, axis=-1, keepdims=True)) + np.abs(x)               # [..., n]
+    lo, hi = np.minimum(x.min(axis=-1), 0), x.max(axis=-1)                           # [...]
+    span = np.where(hi > lo, hi - lo, 1).astype(np.float32)
+    sw, sx = wts.sum(axis=-1), (wts * x).sum(axis=-1)                                # [...]
+
+    def grid(iscale):
+        return np.clip(np.rint(iscale[..., None] * (x - lo[..., None])), 0, nmax)   # [..., n]
+
+    def error(s, m, q):
+        return (wts * (s[..., None] * q + m[..., None] - x) ** 2).sum(axis=-1)      # [...]
+
+    best_s, best_m = span / nmax, lo                                                 # the plain min-max grid
+    best_err = error(best_s, best_m, grid(nmax / span))
+    for k in range(steps + 1):
+        q = grid((nmax - 1 + 0.1 * k) / span)                                        # [..., n]
+        sl, sl2, sxl = (wts * q).sum(axis=-1), (wts * q * q).sum(axis=-1), (wts * q * x).sum(axis=-1)
+        det = sw * sl2 - sl * sl                                                     # [...]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            s, m = (sw * sxl - sx * sl) / det, (sl2 * sx - sl * sxl) / det           # weighted least squares
+            s, m = np.where(m > 0, sxl / sl2, s), np.minimum(m, 0)                   # a minimum above 0: s alone
+            err = error(s, m, q)
+        better = (det > 0) & (err < best_err)
+        best_s, best_m, best_err = np.where(better, s, best_s), np.where(better, m, best_m), np.where(better, err,
+                                                                                                         best_err)
+    return np.where(hi > lo, np.maximum(best_s, 0), 0).astype(np.float32), (-best_m).astype(np.float32)
+
+
+QUANTIZERS = {"int8": quantize_int8_channel, "int8-block": quantize_int8_block, "q4_1": quantize_q4_1,
+              "q4_k": quantize_q4_k}
 
 
 def quantize(w: np.ndarray, fmt: str) -> QuantizedWeight:
@@ -195,8 +305,15 @@ def quantization_error(w: np.ndarray, qw: QuantizedWeight) -> tuple[float, float
 
 
 def from_gguf_block(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantizedWeight:
-    """Repack a GGUF Q4_1 or Q8_0 tensor's bytes into planar arrays, exactly (f16 scales widen to f32)."""
+    """Repack a GGUF Q4_1, Q8_0 or Q4_K tensor's bytes into planar arrays, exactly (f16 scales widen to f32)."""
     O, I = shape
+    if type_name == "Q4_K":
+        blocks = raw.reshape(-1, 144)                                                # [O * I/256, 144 bytes]
+        scales, mins = k4_scales(blocks[:, 4:16])                                    # [O * I/256, 8] each
+        q = k4_values(blocks[:, 16:]).reshape(O, I // BLOCK, BLOCK)                  # [O, I/32, 32]
+        packed = q[..., :16] | (q[..., 16:] << 4)                                    # [O, I/32, 16]: Q4_1's order
+        d, dmin = f16(blocks, 0).reshape(O, -1), f16(blocks, 2).reshape(O, -1)       # [O, I/256] each
+        return Q4KBlock(packed.reshape(O, I // 2), scales.reshape(O, -1), mins.reshape(O, -1), d, dmin)
     if type_name == "Q4_1":
         blocks = raw.reshape(O, I // BLOCK, 20)                                      # [O, I/32, 20 bytes]
         d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)     # [O, I/32]
@@ -207,4 +324,4 @@ def from_gguf_block(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> 
         d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
         q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(O, I)
         return Int8Block(q, d)
-    raise ValueError(f"GGUF type {type_name} has no native tinyllm format (native: Q4_1, Q8_0)")
+    raise ValueError(f"GGUF type {type_name} has no native tinyllm format (native: Q4_1, Q8_0, Q4_K)")

@@ -27,12 +27,12 @@ MATRIX_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "w_fc", "w_p
 # The output head's format (and the tied embedding's) when quantizing, by the matrices' format. A 4-bit head costs
 # far more quality than 4-bit matrices do (benchmarks/RESULTS.md, "Quality per format"), so 4-bit formats keep it at 8 bits, as
 # llama.cpp's 4-bit mixes and the default model's own file do. `head_quant=` overrides it.
-DEFAULT_HEAD_FORMAT = {"int8": "int8", "int8-block": "int8-block", "q4_1": "int8-block"}
+DEFAULT_HEAD_FORMAT = {"int8": "int8", "int8-block": "int8-block", "q4_1": "int8-block", "q4_k": "int8-block"}
 HEAD_NAMES = ("tok_embed", "lm_head")
 
 
 def load_checkpoint(path: str | Path, quant: str | None = None, head_quant: str | None = None):
-    """-> (config, weights, tokenizer, quant_report). quant: None/"fp32", "int8", "int8-block", "q4_1", or
+    """-> (config, weights, tokenizer, quant_report). quant: None/"fp32", "int8", "int8-block", "q4_1", "q4_k", or
     "native" (keep each GGUF tensor in the format the file stores it, where tinyllm has that format).
     head_quant: the format of the output head and embedding when quantizing (default DEFAULT_HEAD_FORMAT[quant])."""
     if quant not in QUANT_CHOICES:
@@ -74,10 +74,11 @@ def fuse_layer_matrices(weights: dict, n_layers: int) -> dict:
 
 
 def fuse_rows(parts: list):
-    """Stack [O_i, I] matrices into one [sum O_i, I] (float arrays or quantized weights of one type)."""
+    """Stack [O_i, I] matrices into one [sum O_i, I] (float arrays or quantized weights of one type). Parts of mixed
+    formats (a file's mix of types kept natively, e.g. Q4_K q/k beside a Q6_K v) are stacked as float32."""
+    if len({type(p) for p in parts}) > 1:
+        parts = [p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts]
     if isinstance(parts[0], QuantizedWeight):
-        if len({type(p) for p in parts}) > 1:
-            raise ValueError(f"cannot fuse weights of mixed formats {[type(p).__name__ for p in parts]}")
         return type(parts[0]).concat_rows(parts)
     return np.concatenate(parts)
 

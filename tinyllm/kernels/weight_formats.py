@@ -8,7 +8,7 @@
                                      W[o, i] = d[o, i // 32] * q[o, i] + mins[o, i // 32]
 
 The names are quant.py's format names ("int8", "int8-block", "q4_1"), whose dataclasses hold the same arrays;
-`kernel_weight` turns those (or a float32 array) into these. Numba compiles a named tuple as a tuple of its arrays,
+`kernel_weight` turns those (or a float32 array) into these; a "q4_k" weight runs as the Q4Weight it equals. Numba compiles a named tuple as a tuple of its arrays,
 with the class in its type (`instance_class`), so a kernel is specialised to the format when it compiles: Python
 code asks `isinstance(w, Q4Weight)`, typing code (an @overload's typing function) `typed_as(w, Q4Weight)`.
 The fused decode block (block.py) is handed plain tuples, `tuple(w)`, and names them itself (`named`): Numba's
@@ -25,7 +25,7 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
-from ..quant import Int8Block, Int8Channel, Q4Block
+from ..quant import Int8Block, Int8Channel, Q4Block, Q4KBlock
 
 
 class Float32Weight(NamedTuple):
@@ -55,7 +55,11 @@ _FROM_QUANT = {Int8Channel: Int8Weight, Int8Block: Int8BlockWeight, Q4Block: Q4W
 
 def kernel_weight(w) -> Float32Weight | Int8Weight | Int8BlockWeight | Q4Weight:
     """A weight (a float32 [O, I] array or a quant.QuantizedWeight) as the named tuple the compiled code takes."""
-    return Float32Weight(w) if isinstance(w, np.ndarray) else _FROM_QUANT[type(w)](*w.arrays)
+    if isinstance(w, np.ndarray):
+        return Float32Weight(w)
+    if isinstance(w, Q4KBlock):   # no kernel reads super-blocks yet: the Q4_1 arrays it equals (exactly)
+        w = w.as_q4_1
+    return _FROM_QUANT[type(w)](*w.arrays)
 
 
 def named(w):

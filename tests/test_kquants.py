@@ -1,0 +1,161 @@
+"""The K-quants and the other GGUF block types: read bit for bit as gguf-py (llama.cpp's own Python package) reads
+them; the q4_k format and its quantizer; a file holding every type, loaded."""
+import numpy as np
+import pytest
+
+import tinyllm
+from tinyllm import quant
+from tinyllm.gguf import GGML_TYPES, dequantize
+from tinyllm.gguf_weights import load_gguf, unpermute_rope_rows
+from tinyllm.kquants import DEQUANTIZERS
+
+from tiny_gguf import TYPES, q4_k_bytes, random_blocks, tiny_llama
+
+gguf_py = pytest.importorskip("gguf")      # the reference extra
+pytestmark = pytest.mark.reference
+
+
+def reference(raw: np.ndarray, type_name: str) -> np.ndarray:
+    """gguf-py's dequantization of raw blocks [rows, row bytes] -> [rows, row values] float32."""
+    return gguf_py.quants.dequantize(raw, gguf_py.GGMLQuantizationType[type_name]).astype(np.float32)
+
+
+def assert_bits_equal(ours: np.ndarray, theirs: np.ndarray) -> None:
+    assert ours.dtype == np.float32 and ours.shape == theirs.shape
+    np.testing.assert_array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+
+
+def test_type_table_is_ggmls():
+    for type_id, (name, block, size) in GGML_TYPES.items():
+        ggml_type = gguf_py.GGMLQuantizationType(type_id)
+        assert ggml_type.name == name
+        if name != "Q8_1":       # (gguf-py lists 40 bytes, float d and s; ggml's block_q8_1 holds two halves: 36)
+            assert gguf_py.constants.GGML_QUANT_SIZES[ggml_type] == (block, size)
+
+
+@pytest.mark.parametrize("type_name", [*DEQUANTIZERS, "Q8_0", "Q4_0", "Q4_1"])
+def test_dequantize_is_bit_exact(type_name):
+    """Random bytes with fp16 scales of every magnitude (subnormal to 65504, both signs): equal bit for bit."""
+    rng = np.random.default_rng(sum(map(ord, type_name)))
+    block = TYPES[type_name][1]
+    raw = random_blocks(type_name, 3 * 2048 // block, rng).reshape(3, -1)          # 3 rows of 2048 values
+    assert_bits_equal(dequantize(raw.ravel(), type_name, (3, 2048)), reference(raw, type_name))
+
+
+# --- q4_k: the format and its quantizer -----------------------------------------------------------------------
+def test_q4_k_file_blocks_repack_exactly():
+    """A file's Q4_K blocks kept as a Q4KBlock (and as the Q4_1 arrays the kernels run) give ggml's values."""
+    raw = random_blocks("Q4_K", 4 * 3, np.random.default_rng(1)).reshape(4, -1)     # 4 rows of 768
+    qw = quant.from_gguf_block(raw.ravel(), "Q4_K", (4, 768))
+    expected = reference(raw, "Q4_K")
+    assert_bits_equal(qw.dequantize(), expected)
+    assert_bits_equal(qw.as_q4_1.dequantize(), expected)
+    assert_bits_equal(qw.dequantize(np.array([3, 1])), expected[[3, 1]])
+    np.testing.assert_array_equal(q4_k_bytes(qw), raw)                               # and back to the same bytes
+
+
+def test_q4_k_quantizer_writes_ggmls_format_and_beats_q4_1():
+    w = np.random.default_rng(2).normal(0, 0.05, (32, 512)).astype(np.float32)
+    qw = quant.quantize_q4_k(w)
+    assert_bits_equal(qw.dequantize(), reference(q4_k_bytes(qw), "Q4_K"))           # llama.cpp reads what it means
+    assert qw.scales.max() <= 63 and qw.mins.max() <= 63
+    assert np.all(qw.d == qw.d.astype(np.float16)) and np.all(qw.dmin == qw.dmin.astype(np.float16))
+    _, rms_k = quant.quantization_error(w, qw)
+    _, rms_1 = quant.quantization_error(w, quant.quantize_q4_1(w))
+    assert rms_k < rms_1                          # the fitted scale and minimum win over min-max, 6-bit scales or not
+    assert qw.nbytes / w.size < 0.6 < 0.75 <= quant.quantize_q4_1(w).nbytes / w.size
+
+
+def test_q4_k_rows_need_not_be_whole_super_blocks():
+    """576 values a row (the default model's width): two super-blocks of 8 blocks and one of 2."""
+    w = np.random.default_rng(3).normal(0, 0.05, (8, 576)).astype(np.float32)
+    qw = quant.quantize_q4_k(w)
+    assert qw.d.shape == (8, 3) and qw.scales.shape == (8, 18)
+    err = np.abs(qw.dequantize() - w).reshape(8, 18, 32)
+    span = np.ptp(w.reshape(8, 18, 32), axis=2)                                      # [8, 18]
+    assert np.all(err.max(axis=2) <= span / 15)   # within a 4-bit step of the block's range, the last blocks too
+
+
+def test_fit_scale_and_min_is_a_least_squares_fit():
+    """On values that lie on a 4-bit grid the fit finds that grid exactly."""
+    q = np.random.default_rng(4).integers(0, 16, (5, 32)).astype(np.float32)
+    q[:, 0], q[:, 1] = 0, 15                                                         # the grid's full range
+    x = 0.125 * q - 0.5                                                              # [5, 32]
+    s, m = quant.fit_scale_and_min(x)
+    np.testing.assert_allclose(s, 0.125, rtol=1e-6)
+    np.testing.assert_allclose(m, 0.5, rtol=1e-6)
+
+
+# --- a file with every type ------------------------------------------------------------------------------------
+FILE_TYPES = {  # GGUF name -> (type, canonical name)
+    "token_embd.weight": ("Q6_K", "tok_embed"), "blk.0.attn_q.weight": ("Q4_K", "layers.0.wq"),
+    "blk.0.attn_k.weight": ("Q5_K", "layers.0.wk"), "blk.0.attn_v.weight": ("Q3_K", "layers.0.wv"),
+    "blk.0.attn_output.weight": ("Q2_K", "layers.0.wo"), "blk.0.ffn_gate.weight": ("IQ4_XS", "layers.0.w_gate"),
+    "blk.0.ffn_up.weight": ("Q5_0", "layers.0.w_up"), "blk.0.ffn_down.weight": ("Q5_1", "layers.0.w_down"),
+    "blk.1.ffn_down.weight": ("IQ4_NL", "layers.1.w_down"), "blk.1.attn_q.weight": ("Q4_K", "layers.1.wq"),
+    "blk.1.attn_k.weight": ("Q4_K", "layers.1.wk"), "blk.1.attn_v.weight": ("Q4_K", "layers.1.wv"),
+}
+
+
+@pytest.fixture(scope="module")
+def kquant_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("kquants") / "kquants.gguf"
+    tensors = tiny_llama(path, dim=256, n_heads=4, n_kv_heads=2, ffn=256,
+                         types={name: t for name, (t, _) in FILE_TYPES.items()})
+    return path, tensors
+
+
+def test_file_of_every_type_loads_as_gguf_py_reads_it(kquant_file):
+    path, tensors = kquant_file
+    config, weights, _ = load_gguf(path)
+    for name, (type_name, canonical) in FILE_TYPES.items():
+        expected = reference(tensors[name], type_name)
+        if canonical.endswith((".wq", ".wk")):                 # the loader un-permutes the RoPE rows
+            expected = unpermute_rope_rows(expected, config.n_heads if canonical.endswith("wq") else
+                                           config.n_kv_heads)
+        assert_bits_equal(weights[canonical], expected)
+
+
+def test_file_runs_dequantized_natively_and_requantized(kquant_file):
+    """fp32 and native (Q4_K kept, the rest float32) are the same weights, so the same logits; int8 runs too."""
+    path, _ = kquant_file
+    ids = [1, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
+    fp32 = tinyllm.load(path, backend="numpy")
+    native = tinyllm.load(path, quant="native", backend="numpy")
+    assert isinstance(native.layers[1].wqkv, quant.Q4KBlock)            # q, k, v all Q4_K: kept, fused
+    assert isinstance(native.layers[0].wqkv, np.ndarray)                # Q4_K beside Q5_K, Q3_K: float32
+    expected = fp32.logits(ids)
+    assert np.all(np.isfinite(expected))
+    np.testing.assert_array_equal(native.logits(ids), expected)
+    int8 = tinyllm.load(path, quant="int8", backend="numpy")
+    assert np.abs(int8.logits(ids) - expected).max() < 0.05 * np.abs(expected).max()
+
+
+def test_q4_k_on_the_numba_backend_matches_numpy(kquant_file):
+    """The kernels run q4_k as the Q4_1 arrays it equals: the numpy backend's logits up to summation order."""
+    path, _ = kquant_file
+    ids = [1, 72, 101, 108, 108, 111]
+    plain = tinyllm.load(path, quant="q4_k", backend="numpy")
+    fast = tinyllm.load(path, quant="q4_k")
+    assert isinstance(fast.layers[0].w_in, quant.Q4KBlock)
+    np.testing.assert_allclose(fast.logits(ids), plain.logits(ids), atol=2e-4)
+
+
+def test_native_q4_k_kernel_matches_its_numpy_twin():
+    """The kernel reading Q4_K's super-blocks (int8 activations) against the numpy backend's rounded-input linear;
+    rows of 576: a last super-block of 2 blocks."""
+    from tinyllm.backend import NumpyOps
+    from tinyllm.kernels import intdot
+    from tinyllm.kernels.kquant_kernels import linear_q4k_a8
+    from tinyllm.kernels.q4_kernels import linear_q4_a8
+    from tinyllm.kernels.weight_formats import kernel_weight
+    rng = np.random.default_rng(5)
+    w = quant.quantize_q4_k(rng.normal(0, 0.05, (40, 576)).astype(np.float32))
+    for rows in (1, 3):
+        x = rng.normal(0, 1, (rows, 576)).astype(np.float32)
+        out, bridge = np.empty((rows, 40), np.float32), np.empty((rows, 40), np.float32)
+        linear_q4k_a8(w.arrays, x, out, intdot.USE_INT_DOTS)
+        expected = NumpyOps.linear(x, w, int8_inputs=True)                        # [rows, 40]
+        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+        linear_q4_a8(kernel_weight(w), x, bridge, intdot.USE_INT_DOTS)            # the Q4_1 arrays it equals
+        np.testing.assert_array_equal(out, bridge)
