@@ -136,7 +136,7 @@ def unpermute_rope_rows(w, n_heads: int):
 
 
 def load_gguf(path: str | Path, quant: str | None = None) -> tuple[ModelConfig, dict, Tokenizer]:
-    """Read a llama GGUF. Matrices are dequantized to float32, except those KEPT_AS_STORED[quant], which are
+    """Read a GGUF file of a supported architecture. Matrices are dequantized to float32, except those KEPT_AS_STORED[quant], which are
     repacked as they are, without loss."""
     try:
         gg = GGUFFile(path)
