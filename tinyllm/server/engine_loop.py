@@ -51,6 +51,10 @@ class EngineLoop:
         the lab page); its result or exception is set on `future`."""
         self.commands.put(("call", fn, loop, future))
 
+    def end_all(self, status: int, message: str) -> None:
+        """End every request now with an error (the drain's deadline); the engine keeps serving."""
+        self.commands.put(("end_all", status, message))
+
     def stop(self, timeout: float = 10.0) -> None:
         """Abort everything still running and end the thread."""
         self.commands.put(("stop",))
@@ -89,6 +93,10 @@ class EngineLoop:
                     for rid in list(self.active):
                         self._end(rid, ("error", 503, "the server is shutting down"))
                     return
+                if command[0] == "end_all":
+                    for rid in list(self.active):
+                        self._end(rid, ("error", command[1], command[2]))
+                    continue
                 self._handle(command)
                 block = False
             if self.engine.has_unfinished():
@@ -132,7 +140,6 @@ class EngineLoop:
             events = self.engine.step()
         except Exception as e:                      # a bug, not bad input: fail the running requests, keep serving
             for rid in [r for r in self.active]:
-                self.engine.abort(rid)
                 self._end(rid, ("error", 500, f"the engine failed: {type(e).__name__}: {e}"))
             return
         by_request: dict[str, list[RequestOutput]] = {}
@@ -149,7 +156,6 @@ class EngineLoop:
                 self._observe_finished(a.request)
         now = self.engine.clock()
         for rid in [rid for rid, a in self.active.items() if now > a.deadline]:
-            self.engine.abort(rid)
             self._end(rid, ("error", 504, f"the request took longer than the server's timeout "
                                           f"({self.request_timeout:g} s) and was aborted"))
         self.num_waiting = len(self.engine.scheduler.waiting)
@@ -157,6 +163,8 @@ class EngineLoop:
             self.metrics.update(self.engine)
 
     def _end(self, rid: str, item) -> None:
+        """Abort a request (its blocks freed, its samples' finish times set) and hand its client `item`."""
+        self.engine.abort(rid)
         a = self.active.pop(rid)
         a.loop.call_soon_threadsafe(a.inbox.put_nowait, item)
         self._observe_finished(a.request)
