@@ -405,6 +405,8 @@ def test_a_replay_runs_alone_and_stops_when_its_client_leaves(running, monkeypat
             time.sleep(0.01)
         second = a.post("/lab/api/inspect", json={"request_id": ids[1], "token": 0})
         assert second.status_code == 429 and "another replay" in second.json()["error"]["message"]
+        _, latencies = while_polling_health(srv.url, lambda: time.sleep(0.3))   # the replay holds the engine
+        assert_health_prompt(latencies)
     # the client left: the replay stops within a token or two, and the engine serves again at once
     deadline = time.monotonic() + 5
     while srv.server.lab.replaying:
