@@ -96,6 +96,7 @@ def running(tiny, errors):
     yield start
     for r in servers:
         r.close()
+    assert not [t for t in errors.texts() if "graceful shutdown" in t], "a handler was still waiting at shutdown"
 
 
 def raw(url: str, data: bytes, read: bool = True, timeout: float = 10.0) -> bytes:
@@ -483,6 +484,10 @@ def test_non_streaming_requests_are_aborted_when_their_clients_leave(running):
     for s in socks:
         s.close()
     assert srv.idle(timeout=2.0), "requests kept running after their clients left"
+    deadline = time.monotonic() + 2
+    while srv.uv.server_state.tasks:                                  # and their handlers ended
+        assert time.monotonic() < deadline, "handlers still wait for requests whose clients left"
+        time.sleep(0.01)
     tokens = [len(r.output_ids) for r in srv.server.engine.requests.values()]
     assert len(tokens) == 6 and max(tokens) < 150
     assert all(r.finish_reason == "abort" for r in srv.server.engine.requests.values())

@@ -120,10 +120,9 @@ class EngineLoop:
                 result, error = None, e
             loop.call_soon_threadsafe(_settle, future, result, error)
             return
-        if command[0] == "abort":
+        if command[0] == "abort":                  # its client left; a handler still waiting hears it and ends
             if command[1] in self.active:
-                self.engine.abort(command[1])
-                self._observe_finished(self.active.pop(command[1]).request)
+                self._end(command[1], ("error", 499, "the client went away and the request was aborted"))
             return
         _, job, loop, inbox = command
         stop_ids = () if job.ignore_eos else None
