@@ -61,9 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds a connection gets to send a request's headers before it is closed")
     g = p.add_argument_group("access")
-    g.add_argument("--api-key", default=os.environ.get("TINYLLM_API_KEY"),
+    g.add_argument("--api-key", default=None,     # not the environment's value: --help would print it
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: "
-                        "$TINYLLM_API_KEY, else no key)")
+                        "$TINYLLM_API_KEY, else no key; the variable keeps the key out of `ps`)")
     g.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
     g.add_argument("--allowed-hosts", default="",
                    help="comma-separated host names (Host and Origin headers) answered besides the loopback ones, "
@@ -103,6 +103,9 @@ def exposure_warnings(loopback: bool, api_key: str | None, lab: bool, allowed: t
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.max_connections < 1 or not args.header_timeout > 0:
+        print("error: --max-connections must be >= 1 and --header-timeout > 0", file=sys.stderr)
+        return 2
     try:
         from tinyllm.server import ServerOptions, build_app, serve
     except ImportError as e:
@@ -117,6 +120,7 @@ def main(argv=None) -> int:
         model = tinyllm.load(args.model, quant=args.quant, activations=args.activations)
         default_name = Path(args.model).name.split(".")[0] if args.model else "SmolLM2-135M-Instruct"
         name = args.served_model_name or default_name
+        api_key = args.api_key if args.api_key is not None else os.environ.get("TINYLLM_API_KEY")
         loopback = is_loopback(args.host)
         lab = loopback if args.lab is None else args.lab
         allowed = tuple(h for h in args.allowed_hosts.split(",") if h.strip())
@@ -124,7 +128,7 @@ def main(argv=None) -> int:
             allowed += (args.host,)                                   # its own address, as clients will name it
         options = ServerOptions(model_name=name, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
                                 request_timeout=args.request_timeout, drain_timeout=args.drain_timeout,
-                                api_key=args.api_key, metrics_public=args.metrics_public, lab=lab,
+                                api_key=api_key, metrics_public=args.metrics_public, lab=lab,
                                 max_body_bytes=args.max_body_bytes, allowed_hosts=allowed)
         server = build_app(model, options, kv_memory=args.kv_memory, block_size=args.block_size,
                            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -136,7 +140,7 @@ def main(argv=None) -> int:
     print(f"loaded {name} in {time.perf_counter() - t0:.1f} s | KV pool {server.engine.pool.num_blocks} blocks of "
           f"{args.block_size} | max_model_len {server.max_model_len} | http://{args.host}:{args.port}"
           + (" (the lab: /lab)" if lab else ""), file=sys.stderr)
-    for warning in exposure_warnings(loopback, args.api_key, lab, allowed):
+    for warning in exposure_warnings(loopback, api_key, lab, allowed):
         print(f"warning: {warning}", file=sys.stderr)
     serve(server, args.host, args.port, log_level=args.log_level, max_connections=args.max_connections,
           header_timeout=args.header_timeout)

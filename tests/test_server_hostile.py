@@ -561,3 +561,19 @@ def test_slow_headers_are_cut_and_connections_capped(running):
     ok = raw(srv.url, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
     assert ok.startswith(b"HTTP/1.1 200")
     srv.http = httpx.Client(base_url=srv.url, timeout=60)
+
+
+def test_settings_that_would_leave_the_server_open_are_refused(tiny, monkeypatch, capsys):
+    for options in (ServerOptions(api_key=""), ServerOptions(max_body_bytes=0)):
+        with pytest.raises(ValueError, match="API key|max_body_bytes"):
+            build_app(tiny, options, num_blocks=8, block_size=4)
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("serve_script", Path(__file__).parent.parent / "scripts" / "serve.py")
+    serve = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve)
+    monkeypatch.setenv("TINYLLM_API_KEY", "never-printed")
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--help"])
+    assert "never-printed" not in capsys.readouterr().out                # the key is read in main, not a default
+    assert serve.main(["--max-connections", "0"]) == 2

@@ -45,6 +45,10 @@ class Server:
             raise ValueError(f"max_model_len {options.max_model_len} must be in 2 .. {limit} (the model's context "
                              f"and the KV pool's {pool.num_blocks * pool.block_size} positions)")
         self.max_model_len = options.max_model_len or limit
+        if options.api_key is not None and not options.api_key:
+            raise ValueError("the API key is empty: give a non-empty --api-key (or none)")
+        if not (isinstance(options.max_body_bytes, int) and options.max_body_bytes >= 1024):
+            raise ValueError(f"max_body_bytes {options.max_body_bytes!r} must be an integer >= 1024")
         self.metrics = ServerMetrics(options.model_name)
         self.loop = EngineLoop(self.engine, self.metrics, options.request_timeout)
         self.draining = False
