@@ -264,12 +264,12 @@ def test_a_4mb_prompt_is_refused_at_once_and_health_answers_meanwhile(running, e
 
 
 def test_a_chunked_body_over_the_limit_gets_413(running):
-    srv = running(ServerOptions(model_name="tiny", max_body_bytes=1000))
+    srv = running(ServerOptions(model_name="tiny", max_body_bytes=1024))
 
     def chunks():                                        # no Content-Length: counted as it arrives
         yield b'{"prompt": "'
         for _ in range(12):
-            yield b"x" * 100
+            yield b"x" * 100                             # 1,214 bytes in all
         yield b'"}'
     r = srv.http.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["code"] == 413
@@ -561,6 +561,18 @@ def test_slow_headers_are_cut_and_connections_capped(running):
     ok = raw(srv.url, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
     assert ok.startswith(b"HTTP/1.1 200")
     srv.http = httpx.Client(base_url=srv.url, timeout=60)
+
+
+def test_a_body_that_trickles_gets_408(running, monkeypatch):
+    from tinyllm.server import app as app_module
+    monkeypatch.setattr(app_module, "BODY_TIMEOUT", 0.3)
+    srv = running()
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n")
+    t0 = time.monotonic()
+    reply = raw(srv.url, head + b'{"prompt":')                      # 90 bytes never come
+    assert reply.startswith(b"HTTP/1.1 408") and time.monotonic() - t0 < 3
+    assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["code"] == 408
 
 
 def test_settings_that_would_leave_the_server_open_are_refused(tiny, monkeypatch, capsys):

@@ -59,7 +59,9 @@ class APIError(Exception):
                           "param": self.param, "code": self.status}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        # 408 / 413: the body was left unread, so the connection cannot carry another request
+        close = {"Connection": "close"} if self.status in (408, 413) else None
+        return JSONResponse(self.body(), status_code=self.status, headers=close)
 
 
 def echo(value) -> str:
