@@ -365,6 +365,20 @@ def test_the_lab_shows_text_and_inspects_only_for_the_page_that_made_the_request
     assert r.status_code == 404
 
 
+def test_many_pollers_share_one_engine_snapshot(running, monkeypatch):
+    srv = running()
+    calls, real = [], srv.server.loop.call
+    monkeypatch.setattr(srv.server.loop, "call", lambda *args: calls.append(1) or real(*args))
+
+    async def main():
+        async with httpx.AsyncClient(base_url=srv.url, timeout=30) as c:
+            return await asyncio.gather(*[c.get("/lab/api/engine") for _ in range(40)])
+    t0 = time.monotonic()
+    replies = asyncio.run(main())
+    assert all(r.status_code == 200 for r in replies)
+    assert len(calls) <= 1 + (time.monotonic() - t0) / lab_module.SNAPSHOT_EVERY    # not one per poller
+
+
 def slow_replays(monkeypatch, delay: float):
     """Make every replayed token take `delay` s; -> a list the replays' token counts are appended to."""
     counted, real = [], lab_module.stream

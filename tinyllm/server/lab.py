@@ -48,6 +48,7 @@ TIMELINE_STEPS = 160          # steps of the slot timeline sent to the page
 LENS_TOP = 3                  # logit lens: top tokens per layer shown
 REPLAYS_KEPT = 2              # traced replays kept: q, k, v and the output of every layer, for every position
 MAX_REPLAY_POSITIONS = 1024   # (about 185 KB per position on the default model, so ~190 MB at this cap)
+SNAPSHOT_EVERY = 0.1          # seconds: however many pages poll, the engine thread draws itself 10 times a second
 
 
 # --- the engine, as the page draws it ------------------------------------------------------------------------------
@@ -56,9 +57,8 @@ def request_name(seq_id) -> str:
     return seq_id[1] if isinstance(seq_id, tuple) and len(seq_id) == 2 and seq_id[0] == "request" else str(seq_id)
 
 
-def engine_snapshot(engine, steps: int = TIMELINE_STEPS, visible=None) -> dict:
-    """A JSON-ready picture of the engine now (call it on the engine thread): pool, queues, timeline, counters.
-    visible: the request ids whose output text may be shown (None: all); the others' text is null."""
+def engine_snapshot(engine, steps: int = TIMELINE_STEPS) -> dict:
+    """A JSON-ready picture of the engine now (call it on the engine thread): pool, queues, timeline, counters."""
     pool, alloc, sched = engine.pool, engine.pool.allocator, engine.scheduler
     owners = [[] for _ in range(alloc.num_blocks)]             # block -> request ids whose tables list it
     tables = {}
@@ -80,8 +80,7 @@ def engine_snapshot(engine, steps: int = TIMELINE_STEPS, visible=None) -> dict:
         return {"id": req.request_id, "status": req.status, "slot": req.slot, "prompt_tokens": len(req.prompt_ids),
                 "output_tokens": len(req.output_ids), "max_tokens": req.max_tokens, "computed": req.num_computed,
                 "cached_tokens": req.metrics.cached_tokens, "preemptions": req.metrics.preemptions,
-                "blocks": tables.get(req.request_id, []),
-                "text": req.text[-60:] if visible is None or req.group in visible else None}
+                "blocks": tables.get(req.request_id, []), "text": req.text[-60:]}
 
     now = engine.clock()
     recent = list(engine.steps)[-steps:]
@@ -295,6 +294,7 @@ class Lab:
         self.server = server
         self.replays: OrderedDict[str, Replay] = OrderedDict()    # request id -> replay, most recent last
         self.replaying = False                                    # one replay at a time (they pause the engine)
+        self.snapshot: tuple[float, asyncio.Future] | None = None   # the last engine snapshot, shared by pollers
 
     def routes(self) -> list:
         return [Route("/lab", self.page), Route("/lab/", self.page),
@@ -321,9 +321,18 @@ class Lab:
         return FileResponse(STATIC / "lab.html", headers={"Cache-Control": "no-cache"})
 
     async def engine(self, request: HTTPRequest) -> Response:
-        token = self.server.client_token(request)
-        mine = {rid for rid, owner in list(self.server.owners.items()) if token is not None and owner == token}
-        return JSONResponse(await self.on_engine_thread(lambda engine: engine_snapshot(engine, visible=mine)))
+        """The engine snapshot, each request's text shown only to the page that made it."""
+        now = time.monotonic()
+        if self.snapshot is None or now - self.snapshot[0] > SNAPSHOT_EVERY:
+            self.snapshot = (now, asyncio.ensure_future(self.on_engine_thread(engine_snapshot)))
+        snap = await asyncio.shield(self.snapshot[1])          # a poller that leaves does not cancel the others'
+        token, owners = self.server.client_token(request), self.server.owners
+
+        def shown(card: dict) -> dict:
+            mine = token is not None and owners.get(card["id"].split("/")[0]) == token    # samples: "<id>/<i>"
+            return card if mine else {**card, "text": None}
+        return JSONResponse({**snap, "running": [shown(c) for c in snap["running"]],
+                             "waiting": [shown(c) for c in snap["waiting"]]})
 
     async def presets(self, request: HTTPRequest) -> Response:
         return JSONResponse(presets(self.server.model))
