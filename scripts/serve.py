@@ -8,11 +8,13 @@
 
 Endpoints: /v1/completions, /v1/chat/completions (stream: true for server-sent events), /v1/models, /tokenize,
 /detokenize, /health (alive), /ready (kernels compiled, not draining), /metrics (Prometheus), and the inference
-lab page at /lab (--no-lab turns it off).
+lab page at /lab (on a loopback address by default; --lab / --no-lab). Before exposing it beyond this machine,
+read docs/serving.md, "Exposing the server": --api-key, --allowed-hosts, and the limits under "admission".
 """
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import sys
 import time
@@ -54,15 +56,56 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is aborted")
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM: seconds running requests get to finish before they are aborted")
-    g.add_argument("--api-key", default=os.environ.get("TINYLLM_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (default: $TINYLLM_API_KEY, else no key)")
-    p.add_argument("--no-lab", action="store_true", help="do not serve the inference lab page at /lab")
+    g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get HTTP 413")
+    g.add_argument("--max-connections", type=int, default=256, help="open connections beyond this get HTTP 503")
+    g.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection gets to send a request's headers before it is closed")
+    g = p.add_argument_group("access")
+    g.add_argument("--api-key", default=None,     # not the environment's value: --help would print it
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: "
+                        "$TINYLLM_API_KEY, else no key; the variable keeps the key out of `ps`)")
+    g.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
+    g.add_argument("--allowed-hosts", default="",
+                   help="comma-separated host names (Host and Origin headers) answered besides the loopback ones, "
+                        "e.g. myserver.lan,10.0.0.5; '*' answers any (behind a proxy that checks them)")
+    g.add_argument("--lab", action=argparse.BooleanOptionalAction, default=None,
+                   help="serve the inference lab page at /lab (default: only on a loopback --host)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p.parse_args(argv)
 
 
+def is_loopback(host: str) -> bool:
+    """Whether --host listens on this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False                               # a host name: it may resolve anywhere
+
+
+def exposure_warnings(loopback: bool, api_key: str | None, lab: bool, allowed: tuple) -> list[str]:
+    """What the operator of a server reachable from other machines should hear at start (docs/serving.md)."""
+    if loopback:
+        return []
+    out = []
+    if api_key is None:
+        out.append("listening beyond this machine with no API key: anyone who reaches the port can generate "
+                   "(set --api-key or $TINYLLM_API_KEY)")
+    if lab:
+        out.append("the lab is on beyond this machine: it shows the engine's state and replays requests; every "
+                   "client with the key can see which requests run (texts only to their own page)")
+    if not allowed:
+        out.append("only loopback Host names are answered: clients of other machines get 403 until "
+                   "--allowed-hosts names this server as they reach it")
+    return out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.max_connections < 1 or not args.header_timeout > 0:
+        print("error: --max-connections must be >= 1 and --header-timeout > 0", file=sys.stderr)
+        return 2
     try:
         from tinyllm.server import ServerOptions, build_app, serve
     except ImportError as e:
@@ -77,9 +120,16 @@ def main(argv=None) -> int:
         model = tinyllm.load(args.model, quant=args.quant, activations=args.activations)
         default_name = Path(args.model).name.split(".")[0] if args.model else "SmolLM2-135M-Instruct"
         name = args.served_model_name or default_name
+        api_key = args.api_key if args.api_key is not None else os.environ.get("TINYLLM_API_KEY")
+        loopback = is_loopback(args.host)
+        lab = loopback if args.lab is None else args.lab
+        allowed = tuple(h for h in args.allowed_hosts.split(",") if h.strip())
+        if not loopback and args.host.strip("[]") not in ("0.0.0.0", "::"):
+            allowed += (args.host,)                                   # its own address, as clients will name it
         options = ServerOptions(model_name=name, max_model_len=args.max_model_len, max_waiting=args.max_waiting,
                                 request_timeout=args.request_timeout, drain_timeout=args.drain_timeout,
-                                api_key=args.api_key, lab=not args.no_lab)
+                                api_key=api_key, metrics_public=args.metrics_public, lab=lab,
+                                max_body_bytes=args.max_body_bytes, allowed_hosts=allowed)
         server = build_app(model, options, kv_memory=args.kv_memory, block_size=args.block_size,
                            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                            policy=args.policy, prefix_caching=not args.no_prefix_caching, kv_dtype=args.kv_dtype,
@@ -89,8 +139,11 @@ def main(argv=None) -> int:
         return 2
     print(f"loaded {name} in {time.perf_counter() - t0:.1f} s | KV pool {server.engine.pool.num_blocks} blocks of "
           f"{args.block_size} | max_model_len {server.max_model_len} | http://{args.host}:{args.port}"
-          + (" (the lab: /lab)" if not args.no_lab else ""), file=sys.stderr)
-    serve(server, args.host, args.port, log_level=args.log_level)
+          + (" (the lab: /lab)" if lab else ""), file=sys.stderr)
+    for warning in exposure_warnings(loopback, api_key, lab, allowed):
+        print(f"warning: {warning}", file=sys.stderr)
+    serve(server, args.host, args.port, log_level=args.log_level, max_connections=args.max_connections,
+          header_timeout=args.header_timeout)
     return 0
 
 

@@ -38,9 +38,13 @@ def tiny(tmp_path_factory):
     return tinyllm.load(p)
 
 
+PAGE = {"X-Tinyllm-Client": "lab-test-page-0123456789"}   # the page's own token: only it sees its requests' text
+
+
 @pytest.fixture(scope="module")
 def lab(tiny):
     r = Running(build_app(tiny, ServerOptions(model_name="tiny"), num_blocks=64, block_size=4, max_num_seqs=4))
+    r.http.headers.update(PAGE)
     yield r
     r.close()
 
@@ -90,6 +94,7 @@ def test_inspect_replays_with_the_served_kv_format(tiny):
     """A server whose pool stores K/V as int8 replays with an int8 cache: the attention shown is what it used."""
     r = Running(build_app(tiny, ServerOptions(model_name="tiny"), num_blocks=64, block_size=4, max_num_seqs=4,
                           kv_dtype="int8"))
+    r.http.headers.update(PAGE)
     try:
         body = r.post("/v1/completions", {"prompt": "hello world", "max_tokens": 6, "temperature": 0,
                                           "ignore_eos": True}).json()
@@ -104,7 +109,7 @@ def test_inspect_replays_with_the_served_kv_format(tiny):
 
 
 @pytest.mark.parametrize("body, status, message", [
-    ({"request_id": "nope", "token": 0}, 404, "history"),
+    ({"request_id": "nope", "token": 0}, 404, "made by this page"),
     ({"token": 0}, 400, "request_id"),
     ({"request_id": "x", "token": "1"}, 400, "token must be an integer"),
 ])
@@ -193,7 +198,7 @@ def test_capacity_endpoint_reproduces_the_seed(lab):
     assert round(r["decode_step_s"] * 1e3, 2) == 7.26 and round(r["tokens_per_s_total"]) == 138
     assert r["bound"] == "memory bandwidth" and r["ridge_flops_per_byte"] == pytest.approx(100)
     bad = lab.post("/lab/api/capacity", dict(body, layers=0))
-    assert bad.status_code == 400 and bad.json()["error"]["message"] == "layers must be a number >= 1, got 0"
+    assert bad.status_code == 400 and bad.json()["error"]["message"] == "layers must be a number in 1 .. 10000, got 0"
     presets = lab.http.get("/lab/api/presets").json()
     assert presets["models"]["7b"]["layers"] == 32 and presets["models"]["served"]["layers"] == 2
 
@@ -211,12 +216,19 @@ def test_lab_can_be_turned_off_and_its_files_are_package_data(tiny):
     assert all(any(fnmatch.fnmatch(f, pat) for pat in patterns) for f in files), (files, patterns)
 
 
-def test_serve_script_turns_the_lab_off_on_request():
+def test_serve_script_lab_flag_and_exposure_warnings():
     import importlib.util
     spec = importlib.util.spec_from_file_location("serve_script", REPO / "scripts" / "serve.py")
     serve = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(serve)
-    assert serve.parse_args([]).no_lab is False and serve.parse_args(["--no-lab"]).no_lab is True
+    assert serve.parse_args([]).lab is None and serve.parse_args(["--no-lab"]).lab is False
+    assert serve.parse_args(["--lab"]).lab is True
+    # the lab and the host: on by default on loopback only, and a warning for it beyond
+    assert serve.is_loopback("127.0.0.1") and serve.is_loopback("localhost") and serve.is_loopback("::1")
+    assert not serve.is_loopback("0.0.0.0") and not serve.is_loopback("example.com")
+    assert serve.exposure_warnings(True, None, True, ()) == []
+    warnings = serve.exposure_warnings(False, None, True, ())
+    assert len(warnings) == 3 and "no API key" in warnings[0] and "lab" in warnings[1]
 
 
 def test_the_page_loads_nothing_from_elsewhere():

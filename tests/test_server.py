@@ -22,6 +22,7 @@ import uvicorn  # noqa: E402
 
 import tinyllm  # noqa: E402
 from tinyllm.server import ServerOptions, build_app, chat_prompt_ids  # noqa: E402
+from tinyllm.server.app import uvicorn_config  # noqa: E402
 from tiny_gguf import tiny_llama  # noqa: E402
 
 SERVE = Path(__file__).resolve().parent.parent / "scripts" / "serve.py"
@@ -52,10 +53,10 @@ def free_socket() -> socket.socket:
 class Running:
     """A Server on a free 127.0.0.1 port, run by uvicorn in a thread of this process."""
 
-    def __init__(self, server):
+    def __init__(self, server, **limits):
         self.server, sock = server, free_socket()
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.uv = uvicorn.Server(uvicorn.Config(server.app, log_level="warning", timeout_graceful_shutdown=5))
+        self.uv = uvicorn.Server(uvicorn_config(server, log_level="warning", graceful_timeout=5, **limits))
         self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60
@@ -322,9 +323,9 @@ def test_malformed_requests_give_400_with_an_openai_error(shared, path, body, me
 
 def test_models_tokenize_health_metrics_and_api_key(running, tiny):
     srv = running(ServerOptions(model_name="tiny", api_key="sekret"))
-    assert srv.http.get("/health").status_code == 200 and srv.http.get("/ready").json()["ready"]
-    assert srv.http.get("/v1/models").status_code == 401
     auth = {"Authorization": "Bearer sekret"}
+    assert srv.http.get("/health").status_code == 200 and srv.http.get("/ready", headers=auth).json()["ready"]
+    assert srv.http.get("/v1/models").status_code == 401
     models = srv.http.get("/v1/models", headers=auth).json()
     assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 256
     assert srv.post("/v1/completions", {"prompt": "x", "model": "gpt-4"}, headers=auth).status_code == 404
@@ -333,7 +334,7 @@ def test_models_tokenize_health_metrics_and_api_key(running, tiny):
     assert srv.post("/detokenize", {"tokens": toks["tokens"]}, headers=auth).json()["prompt"] == "hello"
     for max_tokens in (5, 7):
         srv.post("/v1/completions", {"prompt": "hello", "max_tokens": max_tokens, "ignore_eos": True}, headers=auth)
-    text = srv.http.get("/metrics").text
+    text = srv.http.get("/metrics", headers=auth).text
     assert srv.idle()
 
     def value(name):
@@ -420,7 +421,17 @@ def test_sigterm_drains_running_streams_within_the_bound(tiny_path, drain):
             except httpx.TransportError:
                 pass
             time.sleep(0.1)
-        chunks, last, signalled = 0, None, None
+        chunks, last, signalled, lines = 0, None, None, []
+        plain = []                                                 # a non-streaming client, cut by the drain
+
+        def collect():
+            plain.append(httpx.post(url + "/v1/completions", timeout=60, json={
+                "prompt": "hi", "max_tokens": 240, "temperature": 0, "ignore_eos": True}))
+        waiter = threading.Thread(target=collect)
+        waiter.start()
+        while "tinyllm:num_requests_running{model_name=\"tiny\"} 1.0" not in httpx.get(url + "/metrics").text:
+            assert time.monotonic() < deadline, "the non-streaming request did not start"
+            time.sleep(0.02)
         try:
             with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
                     "prompt": "hello", "max_tokens": 240, "temperature": 0, "stream": True, "ignore_eos": True}) as r:
@@ -438,14 +449,20 @@ def test_sigterm_drains_running_streams_within_the_bound(tiny_path, drain):
                                 pass                               # no longer listening
                     if line:
                         last = line
+                        lines.append(line)
         except httpx.TransportError:
-            pass                                                   # cut off at the drain bound
+            pass
+        waiter.join(60)
         proc.wait(30)
+        assert last == "data: [DONE]"                              # every stream ends properly
         if drain == 30:
-            assert last == "data: [DONE]" and chunks == 240        # the running stream finished in full
+            assert chunks == 240 and plain[0].status_code == 200   # the running requests finished in full
         else:
-            assert chunks < 240 and last != "data: [DONE]"         # aborted at the bound
-            assert time.monotonic() - signalled < 10
+            assert chunks < 240 and time.monotonic() - signalled < 10       # ended at the bound, with an error
+            assert json.loads(lines[-2][6:])["error"]["code"] == 503
+            assert plain[0].status_code == 503 and "shutting down" in plain[0].json()["error"]["message"]
+        err = proc.stderr.read().decode()
+        assert "Traceback" not in err and "Exception" not in err, err[-2000:]
     finally:
         if proc.poll() is None:
             proc.kill()

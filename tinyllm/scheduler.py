@@ -165,7 +165,9 @@ class Scheduler:
                 batch.append((req, n))
                 budget -= n
         admit = admit and self.num_preemptions == preemptions     # memory just ran out: admit nobody this step
-        while admit and self.waiting and len(self.running) + 1 + self.waiting[0].forks <= self.max_num_seqs:
+        # Seats: the running requests and the samples they will fork when their prompts are done (n > 1).
+        seats = len(self.running) + sum(r.forks for r in self.running)
+        while admit and self.waiting and seats + 1 + self.waiting[0].forks <= self.max_num_seqs:
             if budget == 0 and self.policy == "continuous":
                 break                                             # admit only what can start now
             req = self.waiting[0]
@@ -177,6 +179,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(req)
+            seats += 1 + req.forks
             if n:
                 batch.append((req, n))
                 budget -= n

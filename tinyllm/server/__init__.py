@@ -10,7 +10,9 @@ asyncio loop. Handlers never touch the engine, so a slow client never stalls a s
 aborts its request at once (its blocks are freed before the next step). Admission: a request must fit
 `max_model_len` (prompt + max_tokens, else 400), at most `max_waiting` may wait (else 429), and each has a
 deadline (`request_timeout`). On SIGTERM the server stops admitting (503), lets running requests finish for up
-to `drain_timeout` seconds, then aborts what is left. Left out: tools, JSON mode, embeddings, batch prompts.
+to `drain_timeout` seconds, then ends what is left with a 503 (streams: an error event and [DONE]). Before any
+route, guard.py checks the Host / Origin allow-lists and the API key; protocol.py caps what one request may ask
+for (docs/serving.md, "Exposing the server"). Left out: tools, JSON mode, embeddings, batch prompts.
 Needs the `serve` extra (starlette, uvicorn, prometheus-client).
 """
 from __future__ import annotations

@@ -3,20 +3,29 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import threading
 import time
+from collections import OrderedDict
 from contextlib import asynccontextmanager
 
 import prometheus_client as prom
 from starlette.applications import Starlette
-from starlette.requests import Request as HTTPRequest
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..engine import Engine
 from .engine_loop import EngineLoop
+from .guard import Guard, HeaderTimeout
 from .metrics import ServerMetrics
 from .protocol import (FINISH_REASONS, APIError, Choice, Job, ServerOptions, chat_prompt_ids, completion_prompt_ids,
-                       logprobs_body, parse_job, usage)
+                       logprobs_body, parse_body, parse_job, usage)
+
+BODY_TIMEOUT = 30.0           # seconds a client may take to send a request's body (else 408)
+PARSE_INLINE_BYTES = 1 << 16  # bodies above this are parsed off the event loop
+CLIENT_TOKEN = re.compile(r"[A-Za-z0-9_-]{16,128}")   # the lab page's own token (X-Tinyllm-Client)
 
 
 # --- the app -------------------------------------------------------------------------------------------------------
@@ -36,26 +45,50 @@ class Server:
             raise ValueError(f"max_model_len {options.max_model_len} must be in 2 .. {limit} (the model's context "
                              f"and the KV pool's {pool.num_blocks * pool.block_size} positions)")
         self.max_model_len = options.max_model_len or limit
+        if options.api_key is not None and not options.api_key:
+            raise ValueError("the API key is empty: give a non-empty --api-key (or none)")
+        if not (isinstance(options.max_body_bytes, int) and options.max_body_bytes >= 1024):
+            raise ValueError(f"max_body_bytes {options.max_body_bytes!r} must be an integer >= 1024")
         self.metrics = ServerMetrics(options.model_name)
         self.loop = EngineLoop(self.engine, self.metrics, options.request_timeout)
         self.draining = False
+        self.drain_timer: threading.Timer | None = None
+        self.owners: OrderedDict[str, str] = OrderedDict()    # request id -> the client token that made it (lab)
         self.created = int(time.time())
         routes = [Route("/health", self.health), Route("/ready", self.ready), Route("/metrics", self.prometheus),
                   Route("/v1/models", self.models), Route("/tokenize", self.tokenize, methods=["POST"]),
                   Route("/detokenize", self.detokenize, methods=["POST"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/chat/completions", self.chat_completions, methods=["POST"])]
+        self.lab = None
         if options.lab:                            # the inference lab page at /lab (lab.py)
             from .lab import Lab
-            routes += Lab(self).routes()
-        self.app = Starlette(routes=routes, lifespan=self._lifespan,
+            self.lab = Lab(self)
+            routes += self.lab.routes()
+        public = ["/health", "/lab", "/lab/"] + (["/metrics"] if options.metrics_public else [])
+        guard = Middleware(Guard, api_key=options.api_key, allowed_hosts=options.allowed_hosts, public_paths=public,
+                           public_prefixes=("/lab/static/",))
+        self.app = Starlette(routes=routes, lifespan=self._lifespan, middleware=[guard],
                              exception_handlers={APIError: _api_error})
 
     @asynccontextmanager
     async def _lifespan(self, app):
         self.loop.start()
         yield
+        if self.drain_timer is not None:
+            self.drain_timer.cancel()
         self.loop.stop()
+
+    def drain(self) -> None:
+        """SIGTERM: admit nothing more (503), and after drain_timeout seconds end what still runs with a 503
+        (streams get an error event and [DONE]) while the connections are still open."""
+        if self.draining:
+            return
+        self.draining = True
+        self.drain_timer = threading.Timer(self.options.drain_timeout, self.loop.end_all,
+                                           args=(503, "the server is shutting down: the request was stopped"))
+        self.drain_timer.daemon = True
+        self.drain_timer.start()
 
     # ---- plain endpoints
     async def health(self, request: HTTPRequest) -> Response:
@@ -69,28 +102,28 @@ class Server:
         ok = self.loop.ready.is_set() and not self.draining
         return JSONResponse({"ready": ok, "draining": self.draining}, status_code=200 if ok else 503)
 
-    async def prometheus(self, request: HTTPRequest) -> Response:
+    async def prometheus(self, request: HTTPRequest) -> Response:          # the key: guard.py
         return Response(self.metrics.render(), media_type=prom.CONTENT_TYPE_LATEST)
 
     async def models(self, request: HTTPRequest) -> Response:
-        self._authorize(request)
         return JSONResponse({"object": "list", "data": [{
             "id": self.options.model_name, "object": "model", "created": self.created, "owned_by": "tinyllm",
             "max_model_len": self.max_model_len}]})
 
     async def tokenize(self, request: HTTPRequest) -> Response:
-        self._authorize(request)
+        """Any text up to the body limit (a client may tokenize a corpus to cut prompts from), off the event loop."""
         body = await self._json(request)
         if "messages" in body:
-            ids = chat_prompt_ids(self.tokenizer, body["messages"])
+            ids = await asyncio.to_thread(chat_prompt_ids, self.tokenizer, body["messages"])
         else:
-            ids = completion_prompt_ids(self.tokenizer, body.get("prompt"))
+            ids = await asyncio.to_thread(completion_prompt_ids, self.tokenizer, body.get("prompt"))
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len})
 
     async def detokenize(self, request: HTTPRequest) -> Response:
-        self._authorize(request)
         ids = (await self._json(request)).get("tokens")
         V = self.tokenizer.vocab_size
+        if isinstance(ids, list) and len(ids) > self.max_model_len:
+            raise APIError(400, f"at most {self.max_model_len} tokens (this server's max_model_len)", "tokens")
         if not (isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < V
                                               for i in ids)):
             raise APIError(400, f"tokens must be a list of token ids in 0 .. {V - 1}", "tokens")
@@ -104,14 +137,16 @@ class Server:
         return await self._generate(request, "chat")
 
     async def _generate(self, request: HTTPRequest, kind: str) -> Response:
-        self._authorize(request)
+        if self.draining:
+            raise APIError(503, "the server is shutting down and admits no new requests")
         body = await self._json(request)
-        job = parse_job(kind, body, self.tokenizer, self.options, self.max_model_len)
+        job = await asyncio.to_thread(parse_job, kind, body, self.tokenizer, self.options, self.max_model_len)
         if job.n > self.engine.scheduler.max_num_seqs:           # checked here, before a stream's 200 goes out
             raise APIError(400, f"n={job.n} is more than this server runs at once (--max-num-seqs "
                                 f"{self.engine.scheduler.max_num_seqs})", "n")
         if self.draining:
             raise APIError(503, "the server is shutting down and admits no new requests")
+        self._record_owner(request, job.request_id)
         if self.loop.error is not None:
             raise APIError(500, f"the engine could not start: {self.loop.error!r}")
         if self.loop.queued >= self.options.max_waiting:
@@ -122,22 +157,29 @@ class Server:
         if job.stream:
             return StreamingResponse(self._stream(job, inbox), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await self._collect(job, inbox, request)
+        async with on_disconnect(request, lambda: self.loop.abort(job.request_id)):
+            return await self._collect(job, inbox)
 
-    async def _events(self, job: Job, inbox: asyncio.Queue, request: HTTPRequest | None = None):
+    def _record_owner(self, request: HTTPRequest, request_id: str) -> None:
+        """Remember which lab page (its X-Tinyllm-Client token) made a request: only it sees the text (lab.py)."""
+        token = self.client_token(request)
+        if token is not None:
+            self.owners[request_id] = token
+            while len(self.owners) > self.engine.history:         # as long as the engine remembers requests
+                self.owners.popitem(last=False)
+
+    @staticmethod
+    def client_token(request: HTTPRequest) -> str | None:
+        """The lab page's random token, sent with each of its requests (X-Tinyllm-Client), if well formed."""
+        tokens = request.headers.getlist("x-tinyllm-client")
+        return tokens[0] if len(tokens) == 1 and CLIENT_TOKEN.fullmatch(tokens[0]) else None
+
+    async def _events(self, job: Job, inbox: asyncio.Queue):
         """Yield the request's events as they come; abort it if the consumer stops early (client gone)."""
         finished = 0
         try:
             while finished < job.n:
-                if request is None:
-                    item = await inbox.get()
-                else:                                                  # no stream to notice a disconnect: poll
-                    try:
-                        item = await asyncio.wait_for(inbox.get(), timeout=0.5)
-                    except asyncio.TimeoutError:
-                        if await request.is_disconnected():
-                            return
-                        continue
+                item = await inbox.get()
                 if item[0] == "error":
                     finished = job.n
                     raise APIError(item[1], item[2])
@@ -148,9 +190,9 @@ class Server:
             if finished < job.n:
                 self.loop.abort(job.request_id)
 
-    async def _collect(self, job: Job, inbox: asyncio.Queue, request: HTTPRequest) -> Response:
+    async def _collect(self, job: Job, inbox: asyncio.Queue) -> Response:
         choices = [Choice(i) for i in range(job.n)]
-        async for e in self._events(job, inbox, request):
+        async for e in self._events(job, inbox):
             choices[e.index].add(e)
         out = []
         for c in choices:
@@ -207,20 +249,44 @@ class Server:
         return {"id": f"cmpl-{job.request_id}", "object": "text_completion", "created": int(time.time()),
                 "model": self.options.model_name}
 
-    def _authorize(self, request: HTTPRequest) -> None:
-        key = self.options.api_key
-        if key is not None and request.headers.get("authorization") != f"Bearer {key}":
-            raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'")
-
-    @staticmethod
-    async def _json(request: HTTPRequest) -> dict:
+    async def _json(self, request: HTTPRequest) -> dict:
+        """The body as a JSON object (protocol.parse_body): at most max_body_bytes (413, refused from its
+        Content-Length before it is read), sent within BODY_TIMEOUT seconds (408)."""
+        limit = self.options.max_body_bytes
+        too_big = APIError(413, f"the request body is larger than this server takes ({limit:,} bytes, "
+                                f"--max-body-bytes)")
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise too_big
+        chunks, size = [], 0
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object")
-        return body
+            async with asyncio.timeout(BODY_TIMEOUT):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise too_big
+                    chunks.append(chunk)
+        except ClientDisconnect:
+            raise APIError(400, "the request body was cut short (the client went away)") from None
+        except TimeoutError:
+            raise APIError(408, f"the request body took longer than {BODY_TIMEOUT:g} s to arrive") from None
+        raw = b"".join(chunks)
+        return parse_body(raw) if len(raw) <= PARSE_INLINE_BYTES else await asyncio.to_thread(parse_body, raw)
+
+
+@asynccontextmanager
+async def on_disconnect(request: HTTPRequest, callback):
+    """Call callback() if the client goes away while the block runs (its body must have been read): a watcher
+    task waits for the ASGI disconnect message, so a request that streams nothing still notices at once."""
+    async def watch():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        callback()
+    task = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        task.cancel()
 
 
 async def _api_error(request: HTTPRequest, e: APIError) -> Response:
@@ -232,15 +298,30 @@ def build_app(model, options: ServerOptions | None = None, **engine_kwargs) -> S
     return Server(model, options or ServerOptions(), **engine_kwargs)
 
 
-def serve(server: Server, host: str = "127.0.0.1", port: int = 8000, sockets=None, log_level: str = "info") -> None:
-    """Run the server until SIGINT / SIGTERM; on the signal, drain (see the module docstring)."""
+def uvicorn_config(server: Server, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+                   max_connections: int = 256, header_timeout: float = 10.0, keep_alive_timeout: int = 5,
+                   graceful_timeout: float | None = None):
+    """uvicorn's settings for `server`: at most max_connections open at once (uvicorn's limit_concurrency: 503
+    beyond), header_timeout seconds to send a request's headers (guard.HeaderTimeout), keep_alive_timeout seconds
+    idle between requests. graceful_timeout (default: the drain timeout + 5 s, so that requests ended by the
+    drain still send their last bytes): how long uvicorn waits for open requests on shutdown."""
+    import uvicorn
+    protocol = type("Protocol", (HeaderTimeout,), {"header_timeout": header_timeout})
+    return uvicorn.Config(server.app, host=host, port=port, log_level=log_level, http=protocol,
+                          limit_concurrency=max_connections, timeout_keep_alive=keep_alive_timeout,
+                          timeout_graceful_shutdown=server.options.drain_timeout + 5 if graceful_timeout is None
+                          else graceful_timeout)
+
+
+def serve(server: Server, host: str = "127.0.0.1", port: int = 8000, sockets=None, log_level: str = "info",
+          **limits) -> None:
+    """Run the server until SIGINT / SIGTERM; on the signal, drain (see the module docstring). limits: the
+    connection limits of uvicorn_config."""
     import uvicorn
 
     class Draining(uvicorn.Server):
         def handle_exit(self, sig, frame):
-            server.draining = True                 # answer 503 to new requests from here on
+            server.drain()                         # 503 to new requests; running ones end by the drain timeout
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(server.app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=server.options.drain_timeout)
-    Draining(config).run(sockets=sockets)
+    Draining(uvicorn_config(server, host, port, log_level, **limits)).run(sockets=sockets)

@@ -51,6 +51,10 @@ class EngineLoop:
         the lab page); its result or exception is set on `future`."""
         self.commands.put(("call", fn, loop, future))
 
+    def end_all(self, status: int, message: str) -> None:
+        """End every request now with an error (the drain's deadline); the engine keeps serving."""
+        self.commands.put(("end_all", status, message))
+
     def stop(self, timeout: float = 10.0) -> None:
         """Abort everything still running and end the thread."""
         self.commands.put(("stop",))
@@ -89,6 +93,10 @@ class EngineLoop:
                     for rid in list(self.active):
                         self._end(rid, ("error", 503, "the server is shutting down"))
                     return
+                if command[0] == "end_all":
+                    for rid in list(self.active):
+                        self._end(rid, ("error", command[1], command[2]))
+                    continue
                 self._handle(command)
                 block = False
             if self.engine.has_unfinished():
@@ -112,10 +120,9 @@ class EngineLoop:
                 result, error = None, e
             loop.call_soon_threadsafe(_settle, future, result, error)
             return
-        if command[0] == "abort":
+        if command[0] == "abort":                  # its client left; a handler still waiting hears it and ends
             if command[1] in self.active:
-                self.engine.abort(command[1])
-                self._observe_finished(self.active.pop(command[1]).request)
+                self._end(command[1], ("error", 499, "the client went away and the request was aborted"))
             return
         _, job, loop, inbox = command
         stop_ids = () if job.ignore_eos else None
@@ -132,7 +139,6 @@ class EngineLoop:
             events = self.engine.step()
         except Exception as e:                      # a bug, not bad input: fail the running requests, keep serving
             for rid in [r for r in self.active]:
-                self.engine.abort(rid)
                 self._end(rid, ("error", 500, f"the engine failed: {type(e).__name__}: {e}"))
             return
         by_request: dict[str, list[RequestOutput]] = {}
@@ -149,7 +155,6 @@ class EngineLoop:
                 self._observe_finished(a.request)
         now = self.engine.clock()
         for rid in [rid for rid, a in self.active.items() if now > a.deadline]:
-            self.engine.abort(rid)
             self._end(rid, ("error", 504, f"the request took longer than the server's timeout "
                                           f"({self.request_timeout:g} s) and was aborted"))
         self.num_waiting = len(self.engine.scheduler.waiting)
@@ -157,6 +162,8 @@ class EngineLoop:
             self.metrics.update(self.engine)
 
     def _end(self, rid: str, item) -> None:
+        """Abort a request (its blocks freed, its samples' finish times set) and hand its client `item`."""
+        self.engine.abort(rid)
         a = self.active.pop(rid)
         a.loop.call_soon_threadsafe(a.inbox.put_nowait, item)
         self._observe_finished(a.request)

@@ -13,13 +13,20 @@ generate, and to three read-only JSON endpoints defined here:
 Every read of the engine runs on the engine thread between two steps (EngineLoop.call), so it sees a consistent
 pool. "Inspect" replays the request with tracing: same prompt ids, sampling parameters and seed, so the same
 tokens; the reply says whether the replay really matched the stream. The replay runs on the engine thread too
-(the model and its kernels are used by one thread at a time), so other requests pause while it runs.
+(the model and its kernels are used by one thread at a time), so other requests pause while it runs: one replay
+at a time (429 for a second), stopped between two tokens when its client goes away.
+
+Privacy: the page sends a random token of its own with every request (X-Tinyllm-Client, app.py). The engine view
+shows the text of that page's requests only (others appear as ids and block counts), and only that page may
+inspect them: a replay shows the whole prompt. The lab is off by default on a non-loopback address (serve.py).
 Left out: editing anything (the lab only reads) and requests with n > 1 (inspect follows sample 0).
 """
 from __future__ import annotations
 
 import asyncio
 import bisect
+import math
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -31,15 +38,17 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from .. import capacity
-from ..generate import CacheSpec, generate
+from ..generate import CacheSpec, stream
 from ..trace import Trace
-from .protocol import APIError
+from .app import on_disconnect
+from .protocol import APIError, echo
 
 STATIC = Path(__file__).resolve().parent / "static"
 TIMELINE_STEPS = 160          # steps of the slot timeline sent to the page
 LENS_TOP = 3                  # logit lens: top tokens per layer shown
 REPLAYS_KEPT = 2              # traced replays kept: q, k, v and the output of every layer, for every position
 MAX_REPLAY_POSITIONS = 1024   # (about 185 KB per position on the default model, so ~190 MB at this cap)
+SNAPSHOT_EVERY = 0.1          # seconds: however many pages poll, the engine thread draws itself 10 times a second
 
 
 # --- the engine, as the page draws it ------------------------------------------------------------------------------
@@ -118,8 +127,13 @@ class Replay:
         return None if len(self.streamed) == len(self.replayed) else min(len(self.streamed), len(self.replayed))
 
 
-def replay(engine, request_id: str) -> Replay:
-    """Generate again what request `request_id` generated, with tracing (engine thread: it uses the model)."""
+class Cancelled(Exception):
+    """The client of a replay went away."""
+
+
+def replay(engine, request_id: str, cancel: threading.Event | None = None) -> Replay:
+    """Generate again what request `request_id` generated, with tracing (engine thread: it uses the model).
+    cancel: checked between two tokens; once set, the replay stops (Cancelled)."""
     req = engine.requests.get(request_id)
     if req is None:
         raise APIError(404, f"no request {request_id!r} in the engine's history (it keeps the last "
@@ -135,9 +149,12 @@ def replay(engine, request_id: str) -> Replay:
     if positions > MAX_REPLAY_POSITIONS:
         raise APIError(400, f"the request holds {positions} positions; the lab traces at most {MAX_REPLAY_POSITIONS} "
                             f"(a trace keeps every layer's q, k, v for each): inspect a shorter one", "request_id")
-    out = generate(engine.model, list(req.prompt_ids), max_new_tokens=len(req.output_ids), params=req.params,
-                   cache=CacheSpec(kv_dtype=engine.pool.kv_dtype), ignore_eos=True,
-                   trace=Trace(max_positions=positions))
+    run = stream(engine.model, list(req.prompt_ids), max_new_tokens=len(req.output_ids), params=req.params,
+                 cache=CacheSpec(kv_dtype=engine.pool.kv_dtype), ignore_eos=True, trace=Trace(max_positions=positions))
+    for _ in run:
+        if cancel is not None and cancel.is_set():
+            raise Cancelled(request_id)
+    out = run.result
     return Replay(engine.model, out.trace, len(req.prompt_ids), list(req.output_ids), list(out.token_ids))
 
 
@@ -184,13 +201,14 @@ def inspect_token(r: Replay, index: int, layer: int | None) -> dict:
 
 
 # --- the arithmetic ------------------------------------------------------------------------------------------------
-CAPACITY_FIELDS = {        # name -> (what it is, least allowed value)
-    "layers": ("layers", 1), "kv_heads": ("KV heads", 1), "head_dim": ("head dimension", 1),
-    "bytes_per_value": ("bytes per KV value", 0.125), "params": ("parameters", 1), "weight_gb": ("weights (GB)", 0),
-    "memory_gib": ("device memory (GiB)", 0), "usable_fraction": ("usable fraction", 0.01),
-    "bandwidth_gbs": ("bandwidth (GB/s)", 0.001), "peak_tflops": ("peak compute (TFLOP/s)", 0.000001),
-    "context": ("context (tokens)", 1), "batch": ("batch", 1), "prompt_tokens": ("prompt tokens", 1),
-    "output_tokens": ("output tokens", 1),
+CAPACITY_FIELDS = {        # name -> (what it is, least and largest allowed value: far beyond any real machine)
+    "layers": ("layers", 1, 10_000), "kv_heads": ("KV heads", 1, 10_000), "head_dim": ("head dimension", 1, 100_000),
+    "bytes_per_value": ("bytes per KV value", 0.125, 64), "params": ("parameters", 1, 1e15),
+    "weight_gb": ("weights (GB)", 0, 1e7), "memory_gib": ("device memory (GiB)", 0, 1e7),
+    "usable_fraction": ("usable fraction", 0.01, 1), "bandwidth_gbs": ("bandwidth (GB/s)", 0.001, 1e9),
+    "peak_tflops": ("peak compute (TFLOP/s)", 0.000001, 1e9), "context": ("context (tokens)", 1, 100_000_000),
+    "batch": ("batch", 1, 1_000_000), "prompt_tokens": ("prompt tokens", 1, 100_000_000),
+    "output_tokens": ("output tokens", 1, 1_000_000),     # request_latency builds a list of this many steps
 }
 INTEGER_FIELDS = {"layers", "kv_heads", "head_dim", "context", "batch", "prompt_tokens", "output_tokens"}
 SEED_HARDWARE = {"memory_gib": 80, "usable_fraction": 0.9, "bandwidth_gbs": 2000, "peak_tflops": 200}
@@ -199,16 +217,27 @@ SEED_HARDWARE = {"memory_gib": 80, "usable_fraction": 0.9, "bandwidth_gbs": 2000
 def capacity_inputs(body: dict) -> dict:
     """Validate the calculator form: every field a number at or above its least value (one clear 400 otherwise)."""
     values = {}
-    for name, (what, least) in CAPACITY_FIELDS.items():
+    for name, (what, least, most) in CAPACITY_FIELDS.items():
         v = body.get(name)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= least or v != v or v == float("inf"):
-            raise APIError(400, f"{what} must be a number >= {least:g}, got {v!r}", name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not least <= v <= most:
+            raise APIError(400, f"{what} must be a number in {least:g} .. {most:g}, got {echo(v)}", name)
         if name in INTEGER_FIELDS and v != int(v):
             raise APIError(400, f"{what} must be a whole number, got {v!r}", name)
         values[name] = int(v) if name in INTEGER_FIELDS else float(v)
-    if values["usable_fraction"] > 1:
-        raise APIError(400, f"usable fraction must be at most 1, got {values['usable_fraction']:g}", "usable_fraction")
     return values
+
+
+def checked_capacity_figures(v: dict) -> dict:
+    """capacity_figures, or a 400 when the arithmetic of these inputs has no finite answer (zero bandwidth left
+    for the KV, a product beyond a float): JSON has no NaN or infinity to send."""
+    try:
+        out = capacity_figures(v)
+    except (ArithmeticError, ValueError) as e:
+        raise APIError(400, f"these inputs have no answer: {e}") from None
+    bad = [k for k, x in out.items() if isinstance(x, float) and not math.isfinite(x)]
+    if bad:
+        raise APIError(400, f"these inputs have no finite answer for {', '.join(bad)}: check them", bad[0])
+    return out
 
 
 def capacity_figures(v: dict) -> dict:
@@ -258,11 +287,14 @@ def presets(model) -> dict:
 
 # --- routes --------------------------------------------------------------------------------------------------------
 class Lab:
-    """The lab's routes over a Server (its EngineLoop, model and authorization)."""
+    """The lab's routes over a Server (its EngineLoop, model, and which page made which request). The API key and
+    the Host / Origin checks are guard.py's, before any route."""
 
     def __init__(self, server):
         self.server = server
         self.replays: OrderedDict[str, Replay] = OrderedDict()    # request id -> replay, most recent last
+        self.replaying = False                                    # one replay at a time (they pause the engine)
+        self.snapshot: tuple[float, asyncio.Future] | None = None   # the last engine snapshot, shared by pollers
 
     def routes(self) -> list:
         return [Route("/lab", self.page), Route("/lab/", self.page),
@@ -289,17 +321,29 @@ class Lab:
         return FileResponse(STATIC / "lab.html", headers={"Cache-Control": "no-cache"})
 
     async def engine(self, request: HTTPRequest) -> Response:
-        self.server._authorize(request)
-        return JSONResponse(await self.on_engine_thread(engine_snapshot))     # waits out a replay, if one runs
+        """The engine snapshot, each request's text shown only to the page that made it."""
+        now = time.monotonic()
+        if self.snapshot is None or now - self.snapshot[0] > SNAPSHOT_EVERY:
+            self.snapshot = (now, asyncio.ensure_future(self.on_engine_thread(engine_snapshot)))
+        snap = await asyncio.shield(self.snapshot[1])          # a poller that leaves does not cancel the others'
+        token, owners = self.server.client_token(request), self.server.owners
+
+        def shown(card: dict) -> dict:
+            mine = token is not None and owners.get(card["id"].split("/")[0]) == token    # samples: "<id>/<i>"
+            return card if mine else {**card, "text": None}
+        return JSONResponse({**snap, "running": [shown(c) for c in snap["running"]],
+                             "waiting": [shown(c) for c in snap["waiting"]]})
 
     async def presets(self, request: HTTPRequest) -> Response:
         return JSONResponse(presets(self.server.model))
 
     async def capacity(self, request: HTTPRequest) -> Response:
-        return JSONResponse(capacity_figures(capacity_inputs(await self.server._json(request))))
+        values = capacity_inputs(await self.server._json(request))
+        return JSONResponse(await asyncio.to_thread(checked_capacity_figures, values))   # off the event loop
 
     async def inspect(self, request: HTTPRequest) -> Response:
-        self.server._authorize(request)
+        if self.server.draining:
+            raise APIError(503, "the server is shutting down")
         body = await self.server._json(request)
         rid, index, layer = body.get("request_id"), body.get("token"), body.get("layer")
         if not isinstance(rid, str) or not rid:
@@ -310,11 +354,30 @@ class Lab:
                 raise APIError(400, f"{name} must be an integer", name)
         if index is None:
             raise APIError(400, "token (the index of a generated token, from 0) is required", "token")
+        token = self.server.client_token(request)
+        if token is None or self.server.owners.get(rid) != token:        # 404, not 403: no hint that it exists
+            raise APIError(404, f"no request {echo(rid)} made by this page: the lab inspects only the requests of "
+                                f"the page that made them (its X-Tinyllm-Client token)", "request_id")
         r = self.replays.get(rid)
         if r is None:
-            r = await self.on_engine_thread(lambda engine: replay(engine, rid))
-            self.replays[rid] = r
-            while len(self.replays) > REPLAYS_KEPT:
-                self.replays.popitem(last=False)
+            r = await self._replay(request, rid)
         self.replays.move_to_end(rid)
         return JSONResponse(await asyncio.to_thread(inspect_token, r, index, layer))
+
+    async def _replay(self, request: HTTPRequest, rid: str) -> Replay:
+        """Replay `rid` on the engine thread: one at a time, stopped if the client leaves or the wait times out."""
+        if self.replaying:
+            raise APIError(429, "another replay is running (each pauses the engine): try again when it is done")
+        self.replaying, cancel = True, threading.Event()
+        try:
+            async with on_disconnect(request, cancel.set):
+                r = await self.on_engine_thread(lambda engine: replay(engine, rid, cancel))
+        except Cancelled:
+            raise APIError(400, "the replay was stopped: its client went away") from None
+        finally:
+            cancel.set()                          # a timed-out wait stops the replay too
+            self.replaying = False
+        self.replays[rid] = r
+        while len(self.replays) > REPLAYS_KEPT:
+            self.replays.popitem(last=False)
+        return r

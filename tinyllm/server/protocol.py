@@ -2,6 +2,8 @@
 OpenAI's shape, response bodies (choices, logprobs, usage)."""
 from __future__ import annotations
 
+import json
+import math
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -16,6 +18,14 @@ from ..sampling import SamplingParams
 FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "length": "length", "abort": "abort"}
 CHAT_ROLES = ("system", "user", "assistant", "developer")
 MAX_LOGPROBS = 20
+# Caps on what one request may ask for (docs/serving.md, "Exposing the server"): each keeps one request's cost,
+# before and during generation, small next to everyone else's.
+MAX_BODY_BYTES = 1 << 20          # the default of --max-body-bytes (413 beyond it)
+MAX_DEPTH = 16                    # JSON nesting (an OpenAI body needs 4)
+MAX_STOP, MAX_STOP_CHARS = 16, 256
+MAX_MESSAGES = 1024               # chat messages, and content parts over all messages
+REPETITION_PENALTY = (0.01, 100.0)
+MAX_ECHO = 64                     # characters of a client's value quoted back in an error
 
 
 @dataclass
@@ -25,26 +35,81 @@ class ServerOptions:
     max_waiting: int = 64                 # requests queued beyond this get 429
     request_timeout: float = 600.0        # seconds from arrival to the last token, else the request is aborted
     drain_timeout: float = 30.0           # on SIGTERM: how long running requests may take to finish
-    api_key: str | None = None            # if set, /v1/*, /tokenize and /detokenize need "Authorization: Bearer KEY"
+    api_key: str | None = None            # if set, every endpoint but /health needs "Authorization: Bearer KEY"
+    metrics_public: bool = False          # /metrics answers without the key
     lab: bool = True                      # serve the inference lab page at /lab (lab.py)
+    max_body_bytes: int = MAX_BODY_BYTES  # larger request bodies get 413 before they are read
+    allowed_hosts: tuple = ()             # Host / Origin names answered besides the loopback ones ("*": any)
 
 
 class APIError(Exception):
     """An error answered with OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             429: "rate_limit_error", 500: "server_error", 503: "server_unavailable", 504: "timeout_error"}
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+             404: "not_found_error", 408: "timeout_error", 409: "invalid_request_error",
+             413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_unavailable",
+             504: "timeout_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param = status, message, None if param is None else param[:MAX_ECHO]
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
                           "param": self.param, "code": self.status}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        # 408 / 413: the body was left unread, so the connection cannot carry another request
+        close = {"Connection": "close"} if self.status in (408, 413) else None
+        return JSONResponse(self.body(), status_code=self.status, headers=close)
+
+
+def echo(value) -> str:
+    """A client's value quoted in an error message, cut to MAX_ECHO characters (a 50 MB name is not sent back)."""
+    text = repr(value)
+    return text if len(text) <= MAX_ECHO else text[:MAX_ECHO] + f"... ({len(text):,} characters)"
+
+
+# --- bodies ----------------------------------------------------------------------------------------------------------
+def parse_body(raw: bytes) -> dict:
+    """A request body -> its JSON object, or APIError(400) saying what is wrong: not JSON, not an object, nested
+    deeper than MAX_DEPTH, a number that is not finite or does not fit 64 bits, a string with a lone surrogate
+    (JSON's "\\ud800" escape: no UTF-8 for it, so no tokenizer and no response could carry it)."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise APIError(400, f"the request body is nested too deeply (at most {MAX_DEPTH} levels)") from None
+    except ValueError as e:                  # JSONDecodeError, UnicodeDecodeError, an integer of > 4300 digits
+        raise APIError(400, f"the request body is not valid JSON: {str(e)[:200]}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    todo = [(body, 1)]                       # an explicit stack: no recursion on what a client sent
+    while todo:
+        value, depth = todo.pop()
+        if isinstance(value, dict):
+            items = [*value.keys(), *value.values()]
+        elif isinstance(value, list):
+            items = value
+        else:
+            continue
+        if depth > MAX_DEPTH:
+            raise APIError(400, f"the request body is nested too deeply (at most {MAX_DEPTH} levels)")
+        for v in items:
+            if isinstance(v, str):
+                if not v.isascii():
+                    try:
+                        v.encode("utf-8")
+                    except UnicodeEncodeError:
+                        raise APIError(400, "the request body holds a lone UTF-16 surrogate (such as \\ud800) in "
+                                            "a string: send valid Unicode text") from None
+            elif isinstance(v, float) and not math.isfinite(v):
+                raise APIError(400, "the request body holds a number that is not finite (NaN, Infinity or beyond "
+                                    "1.8e308): send finite numbers")
+            elif isinstance(v, int) and not isinstance(v, bool) and not -2 ** 63 <= v < 2 ** 64:
+                raise APIError(400, "the request body holds an integer that does not fit in 64 bits")
+            elif isinstance(v, (dict, list)):
+                todo.append((v, depth + 1))
+    return body
 
 
 # --- request bodies -> what the engine needs -----------------------------------------------------------------------
@@ -81,12 +146,13 @@ def _typed(body: dict, name: str, kinds, default, rule: str):
     if value is None:
         return default
     if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-        raise APIError(400, f"invalid {name}={value!r}: must be {rule}", name)
+        raise APIError(400, f"invalid {name}={echo(value)}: must be {rule}", name)
     return value
 
 
 def parse_job(kind: str, body, tokenizer, options: ServerOptions, max_model_len: int) -> Job:
-    """Validate an OpenAI request body (kind "completions" or "chat") -> Job, or raise APIError(400)."""
+    """Validate an OpenAI request body (kind "completions" or "chat") -> Job, or raise APIError(400). It tokenizes:
+    the server calls it off the event loop."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     for name in body:
@@ -96,14 +162,15 @@ def parse_job(kind: str, body, tokenizer, options: ServerOptions, max_model_len:
                 raise APIError(400, f"{name} is not supported by tinyllm{hint} (supported: "
                                     f"{', '.join(sorted(KNOWN[kind]))})", name)
         elif name not in KNOWN[kind]:
-            raise APIError(400, f"unknown parameter {name!r} (supported: {', '.join(sorted(KNOWN[kind]))})", name)
+            raise APIError(400, f"unknown parameter {echo(name)} (supported: {', '.join(sorted(KNOWN[kind]))})", name)
     model = body.get("model")
     if model is not None and model != options.model_name:
-        raise APIError(404, f"model {model!r} is not served here; this server serves {options.model_name!r}", "model")
+        raise APIError(404, f"model {echo(model)} is not served here; this server serves {options.model_name!r}",
+                       "model")
     if kind == "chat":
-        prompt_ids = chat_prompt_ids(tokenizer, body.get("messages"))
+        prompt_ids = chat_prompt_ids(tokenizer, body.get("messages"), max_model_len)
     else:
-        prompt_ids = completion_prompt_ids(tokenizer, body.get("prompt"))
+        prompt_ids = completion_prompt_ids(tokenizer, body.get("prompt"), max_model_len)
     n = _typed(body, "n", int, 1, "an integer >= 1")
     best_of = _typed(body, "best_of", int, n, "an integer equal to n")
     if n < 1 or best_of != n:
@@ -126,13 +193,20 @@ def parse_job(kind: str, body, tokenizer, options: ServerOptions, max_model_len:
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise APIError(400, "invalid stop: must be a non-empty string or a list of non-empty strings", "stop")
+    if len(stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise APIError(400, f"invalid stop: at most {MAX_STOP} stop strings of at most {MAX_STOP_CHARS} characters "
+                            f"each", "stop")
+    penalty = _typed(body, "repetition_penalty", (int, float), 1.0, "a number > 0")
+    if not REPETITION_PENALTY[0] <= penalty <= REPETITION_PENALTY[1]:
+        raise APIError(400, f"invalid repetition_penalty={penalty!r}: must be in {REPETITION_PENALTY[0]:g} .. "
+                            f"{REPETITION_PENALTY[1]:g} (1 = off)", "repetition_penalty")
     try:
         params = SamplingParams(
             temperature=_typed(body, "temperature", (int, float), 1.0, "a number >= 0"),
             top_p=_typed(body, "top_p", (int, float), 1.0, "a number in (0, 1]"),
             top_k=max(0, _typed(body, "top_k", int, 0, "an integer (0 or -1 = off)")),
             min_p=_typed(body, "min_p", (int, float), 0.0, "a number in [0, 1]"),
-            repetition_penalty=_typed(body, "repetition_penalty", (int, float), 1.0, "a number > 0"),
+            repetition_penalty=penalty,
             seed=_typed(body, "seed", int, None, "a non-negative integer"))
     except ValueError as e:
         raise APIError(400, str(e)) from None
@@ -158,10 +232,29 @@ def parse_job(kind: str, body, tokenizer, options: ServerOptions, max_model_len:
     return Job(kind, prompt_ids, params, max_tokens, n, stop, ignore_eos, logprobs, stream, include_usage)
 
 
-def completion_prompt_ids(tokenizer, prompt) -> list[int]:
-    """A completions prompt: text (special-token text counts, as in tinyllm.generate and vLLM) or token ids."""
+def check_text_length(tokenizer, texts, max_tokens: int | None, param: str) -> None:
+    """Refuse text whose byte length alone proves it cannot fit `max_tokens` tokens, before tokenizing it
+    (tokenizing costs seconds per MB; Tokenizer.min_tokens is one pass of C)."""
+    if max_tokens is None:
+        return
+    try:
+        at_least = sum(tokenizer.min_tokens(t) for t in texts)
+    except ValueError as e:                  # not valid text: one line from the tokenizer
+        raise APIError(400, str(e), param) from None
+    if at_least > max_tokens:
+        raise APIError(400, f"the prompt has at least {at_least:,} tokens (at most {tokenizer.max_token_bytes} "
+                            f"bytes per token) but this server's max_model_len is {max_tokens}: shorten it", param)
+
+
+def completion_prompt_ids(tokenizer, prompt, max_tokens: int | None = None) -> list[int]:
+    """A completions prompt: text (special-token text counts, as in tinyllm.generate and vLLM) or token ids.
+    max_tokens: refuse longer prompts before tokenizing (the server's max_model_len)."""
     if isinstance(prompt, str) and prompt:
+        check_text_length(tokenizer, [prompt], max_tokens, "prompt")
         return tokenizer.encode(prompt)
+    if isinstance(prompt, list) and max_tokens is not None and len(prompt) > max_tokens:
+        raise APIError(400, f"the prompt has {len(prompt):,} token ids, more than this server's max_model_len "
+                            f"{max_tokens}: shorten it", "prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
         try:
             return check_prompt_ids(list(prompt), tokenizer.vocab_size)
@@ -173,12 +266,16 @@ def completion_prompt_ids(tokenizer, prompt) -> list[int]:
     raise APIError(400, "prompt must be a non-empty string or a non-empty list of token ids", "prompt")
 
 
-def chat_prompt_ids(tokenizer, messages) -> list[int]:
+def chat_prompt_ids(tokenizer, messages, max_tokens: int | None = None) -> list[int]:
     """Chat messages -> ids through the model's template. The template's own text (role markers, the default
     system message) may hold control tokens; every message's content is encoded as plain text, so a user who
-    types "<|im_end|>" gets those characters, not the control token."""
+    types "<|im_end|>" gets those characters, not the control token. max_tokens: as for completion_prompt_ids."""
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+    parts = sum(len(m["content"]) if isinstance(m, dict) and isinstance(m.get("content"), list) else 1
+                for m in messages)
+    if parts > MAX_MESSAGES:
+        raise APIError(400, f"at most {MAX_MESSAGES} messages and content parts in all", "messages")
     contents = []
     for k, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
@@ -189,6 +286,7 @@ def chat_prompt_ids(tokenizer, messages) -> list[int]:
             raise APIError(400, f"messages[{k}] must be an object with role in {', '.join(CHAT_ROLES)} and a string "
                                 f"content", "messages")
         contents.append(content)
+    check_text_length(tokenizer, contents, max_tokens, "messages")
     # Render the template around placeholders that cannot occur in it, then encode piece by piece.
     roles = ["system" if m["role"] == "developer" else m["role"] for m in messages]
     try:

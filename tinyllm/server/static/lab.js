@@ -49,10 +49,14 @@ function labelOf(id) {
 }
 
 // --- talking to the server: the API key (if the server has one) and JSON calls ---------------------------------
+// The key stays in this page's memory (not in localStorage, where any script of this origin could read it later).
+// CLIENT is this page's own random token: the server shows a request's text, and lets it be inspected, only to
+// the page whose token made it (others' requests appear in the pool view without their text).
+let apiKey = "";
+const CLIENT = Array.from(crypto.getRandomValues(new Uint8Array(16)), (b) => b.toString(16).padStart(2, "0")).join("");
 function headers() {
-  const h = { "Content-Type": "application/json" };
-  const key = localStorage.getItem("tinyllm-api-key");
-  if (key) h.Authorization = `Bearer ${key}`;
+  const h = { "Content-Type": "application/json", "X-Tinyllm-Client": CLIENT };
+  if (apiKey) h.Authorization = `Bearer ${apiKey}`;
   return h;
 }
 
@@ -66,7 +70,7 @@ async function api(path, body) {
 }
 
 $("key-save").addEventListener("click", () => {
-  localStorage.setItem("tinyllm-api-key", $("api-key").value);
+  apiKey = $("api-key").value;
   $("key-bar").hidden = true;
 });
 
@@ -494,7 +498,8 @@ function parsePrometheus(text) {
 
 async function pollMetrics() {
   try {
-    const r = await fetch("/metrics");
+    const r = await fetch("/metrics", { headers: headers() });
+    if (!r.ok) throw new Error(`HTTP ${r.status}`);
     const v = parsePrometheus(await r.text());
     const table = $("metrics");
     table.textContent = "";
