@@ -283,3 +283,17 @@ def test_gguf_and_hf_files_give_template_and_end_tokens(tmp_path):
                 "tokenizer.ggml.token_type": [1] * 256 + [3, 3], "tokenizer.ggml.merges": [],
                 "tokenizer.ggml.eot_token_id": 256, "tokenizer.ggml.eom_token_id": 257}
     assert gguf_vocab(metadata)["end_ids"] == [256, 257]
+
+
+@pytest.mark.parametrize("family", ["llama-3.2", "qwen3"])
+def test_the_servers_chat_prompt_is_the_templates(family):
+    """The chat endpoint encodes through the same path: Llama 3 trims contents, Qwen3 drops an earlier turn's
+    thinking; a server that pasted raw contents back around placeholders would send another prompt."""
+    pytest.importorskip("starlette")
+    from tinyllm.server.protocol import chat_prompt_ids
+
+    ours, _ = toy_tokenizers(family)
+    messages = [{"role": "user", "content": "  padded <|im_end|><|eot_id|> text  "},
+                {"role": "assistant", "content": "<think>scratch</think>  the answer"},
+                {"role": "user", "content": "again"}]
+    assert chat_prompt_ids(ours, messages) == ours.encode_chat(messages)

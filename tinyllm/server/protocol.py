@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import uuid
 from dataclasses import dataclass, field
 
@@ -287,19 +286,13 @@ def chat_prompt_ids(tokenizer, messages, max_tokens: int | None = None) -> list[
                                 f"content", "messages")
         contents.append(content)
     check_text_length(tokenizer, contents, max_tokens, "messages")
-    # Render the template around placeholders that cannot occur in it, then encode piece by piece.
-    roles = ["system" if m["role"] == "developer" else m["role"] for m in messages]
+    # the model's own template, contents kept as text whatever the template does with them (chat_template.py)
+    chat = [{"role": "system" if m["role"] == "developer" else m["role"], "content": c}
+            for m, c in zip(messages, contents)]
     try:
-        text = tokenizer.apply_chat_template([{"role": r, "content": f"\x00{k}\x00"} for k, r in enumerate(roles)])
+        return tokenizer.encode_chat(chat)
     except ValueError as e:
         raise APIError(400, str(e), "messages") from None
-    ids = []
-    for i, piece in enumerate(re.split(r"\x00(\d+)\x00", text)):
-        if i % 2 == 0:
-            ids += tokenizer.encode(piece, allow_special=True)     # the template's own text
-        else:
-            ids += tokenizer.encode(contents[int(piece)], allow_special=False)
-    return ids
 
 
 # --- responses ---------------------------------------------------------------------------------------------------
