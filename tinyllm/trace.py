@@ -153,6 +153,16 @@ class Trace:
         """[S, KVH, Dh] every position's values."""
         return self._cat(layer, "v")
 
+    def layer_output(self, layer: int) -> np.ndarray:
+        """[S, D] the residual stream leaving block `layer` at every position (what the logit lens reads)."""
+        return self._cat(layer, "out")
+
+    def head_outputs(self, layer: int) -> np.ndarray:
+        """[S, H, Dh] every head's output at every position: its attention probabilities times the values, what
+        the output projection wo reads (recomputed from the recorded q, k, v, as `attention` is)."""
+        q, k, v = self.q(layer), self.k(layer), self.v(layer)        # [S, H, Dh], [S, KVH, Dh] x 2
+        return ops.attention(q, k, v, 0).reshape(q.shape)             # [S, H, Dh]
+
     def residual_norms(self, layer: int) -> np.ndarray:
         """[S, 3] the residual stream's L2 norm per position: entering the layer, after attention, after the MLP."""
         return self._cat(layer, "norms")
@@ -176,7 +186,7 @@ class Trace:
         (nostalgebraist 2020). -> (ids [S, top], probs [S, top]), most likely first; for the last layer these are
         the model's own predictions."""
         m = self._model
-        x = self._cat(layer, "out")                                  # [S, D]
+        x = self.layer_output(layer)                                 # [S, D]
         if positions is not None:
             x = x[list(positions)]                                   # [P, D]
         if m.config.norm == "rms":
