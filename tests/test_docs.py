@@ -22,7 +22,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = sorted((REPO / "docs").rglob("*.md"))
-NEEDS_MODEL = ("generate.py", "tinyllm.load", "attention.py", "lens.py", "tokens.py", "--preset smollm2")
+NEEDS_MODEL = ("generate.py", "tinyllm.load", "attention.py", "lens.py", "tokens.py", "heads.py", "patch.py",
+               "--preset smollm2")
 FENCE = re.compile(r"(?P<skip><!-- no-test: (?P<why>[^>]*)-->\n)?```(?P<lang>\w*)\n(?P<body>.*?)```", re.S)
 
 

@@ -138,3 +138,21 @@ def test_bad_interventions_say_what_is_wrong(models):
         Patch.residual(tr, 0, [1, 2], source_positions=[1])
     with pytest.raises(ValueError, match="ablate and patch follow plain decoding"):
         tinyllm.generate(model, IDS, max_new_tokens=2, ablate=[(0, 0)], speculative="ngram")
+
+
+def test_patch_script_restores_everything_at_the_last_residual_and_nothing_before_the_change(tiny_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parent.parent / "scripts" / "patch.py"
+    r = subprocess.run([sys.executable, str(script), "--model", str(tiny_path), "--clean", "a big cat", "--corrupt",
+                        "a big cot", "--answer", "s"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = [line.split("|")[1].split() for line in r.stdout.splitlines()[2:]]   # layer rows, one cell per position
+    grid = np.array(rows, dtype=float)                                          # [L, T]
+    assert grid.shape == (2, 9)                                                 # 9 byte tokens
+    assert grid[-1, -1] == 1.0                                                  # the last residual is the answer
+    assert not grid[:, :7].any()                                                # positions before 'a' / 'o' are equal
+    bad = subprocess.run([sys.executable, str(script), "--model", str(tiny_path), "--clean", "a cat", "--corrupt",
+                          "a big cat", "--answer", "s"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "the prompts have 5 and 9 tokens" in bad.stderr
