@@ -83,6 +83,22 @@ def test_sampling_stages_compose_to_the_distribution_sampled(tiny):
     assert [s.stage for s in greedy.stages] == ["raw", "greedy"] and greedy.prob == 1.0
 
 
+def test_a_sampling_stage_lists_only_the_tokens_that_survived_it(tiny):
+    """No stage is padded with cut tokens at probability 0; each says how many tokens it kept."""
+    V = tiny.config.vocab_size
+    greedy = tinyllm.generate(tiny, PROMPT, max_new_tokens=1, trace=True).trace.sampling[0]
+    raw, chosen = greedy.stages
+    assert (chosen.ids, chosen.probs, chosen.kept) == ([greedy.token], [1.0], 1)
+    assert raw.kept == V and len(raw.ids) == 10 and min(raw.probs) > 0
+    tr = tinyllm.generate(tiny, PROMPT, max_new_tokens=3, trace=True, seed=1, temperature=1.0, top_k=4,
+                          top_p=0.5).trace
+    for token in tr.sampling:
+        for stage in token.stages:
+            assert len(stage.ids) == min(10, stage.kept) and min(stage.probs) > 0, stage
+        top_k, top_p = token.stages[-2:]
+        assert top_k.kept == 4 and 1 <= top_p.kept <= 4 and token.token in top_p.ids
+
+
 @pytest.mark.parametrize("other", [dict(backend="numpy"), dict(kv="paged")])
 def test_backends_and_caches_give_the_same_trace(tiny, traced, other):
     if "backend" in other:

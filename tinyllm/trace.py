@@ -38,8 +38,9 @@ class TraceLimitError(ValueError):
 class StageTop:
     """The most likely tokens after one sampling stage."""
     stage: str                  # "raw", "repetition penalty", "temperature", "top-k", "top-p", "min-p", "greedy"
-    ids: list[int]              # up to STAGES_TOP ids, most likely first
+    ids: list[int]              # up to STAGES_TOP ids that survived the stage (probability > 0), most likely first
     probs: list[float]          # their probabilities in this stage's distribution
+    kept: int = 0               # how many tokens survived the stage in all (the vocabulary, before any cut)
 
 
 @dataclass
@@ -112,8 +113,9 @@ class Trace:
         """The (name, p [V]) stages of sampling.sample for one generated token, and the token drawn."""
         kept = []
         for name, p in stages:
-            top = np.argsort(-p, kind="stable")[:STAGES_TOP]
-            kept.append(StageTop(name, [int(t) for t in top], [float(p[t]) for t in top]))
+            survivors = int(np.count_nonzero(p))
+            top = np.argsort(-p, kind="stable")[:min(STAGES_TOP, survivors)]   # a cut token is not a candidate
+            kept.append(StageTop(name, [int(t) for t in top], [float(p[t]) for t in top], survivors))
         self.sampling.append(SampledToken(kept, int(token), float(stages[-1][1][token])))
 
     # --- reading ------------------------------------------------------------------------------------------------
