@@ -117,6 +117,15 @@ def test_backends_and_caches_give_the_same_trace(tiny, traced, other):
         np.testing.assert_allclose(b.residual_norms(layer), a.residual_norms(layer), rtol=1e-4)
 
 
+def test_trace_and_patch_are_part_of_the_package_api(tiny):
+    import tinyllm.interventions
+    assert tinyllm.Trace is Trace and tinyllm.Patch is tinyllm.interventions.Patch
+    assert {"Trace", "Patch"} <= set(tinyllm.__all__)
+    tr = tinyllm.Trace(layers=[1])
+    tiny.logits([40, 41], trace=tr)
+    assert tr.layers == [1] and tr.layer_output(1).shape == (2, tiny.config.dim)
+
+
 def test_the_no_cache_forward_can_be_traced_and_selections_bound_memory(tiny):
     tr = Trace(layers=[1], heads=[0, 2])
     logits = tiny.logits([5, 6, 7, 8], trace=tr)
