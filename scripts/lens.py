@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import unicodedata
 
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "1")   # before numpy loads OpenBLAS: idle threads sleep (threads.py)
 
@@ -44,18 +45,40 @@ def lens_table(trace: Trace, last: int) -> tuple[list[str], np.ndarray, np.ndarr
 
 
 def shown(text: str) -> str:
-    """A token's text made visible: spaces as '␣', newlines as '\\n' (a top token is often only whitespace)."""
-    return text.replace(" ", "␣").replace("\n", "\\n").replace("\t", "\\t")
+    """A token's text made visible: spaces as '␣', newlines as '\\n', other invisible characters escaped (a top
+    token is often only whitespace)."""
+    text = text.replace(" ", "␣").replace("\n", "\\n").replace("\t", "\\t")
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
 
 
-def render(model, labels, top_ids, top_probs) -> str:
-    piece = lambda i: shown(model.tokenizer.decode([int(i)]))[:10]   # noqa: E731
-    width = 12
-    lines = ["layer | " + "".join(f"{lab.replace(chr(10), chr(92) + 'n')[:width - 1]!r:<{width}}" for lab in labels)]
+def columns(text: str) -> int:
+    """Terminal columns `text` takes: wide (CJK, emoji) characters two, combining marks none."""
+    return sum(0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+
+
+def clip(text: str, most: int) -> str:
+    """text in at most `most` terminal columns, cut with '…' when longer."""
+    if columns(text) <= most:
+        return text
+    while columns(text) > most - 1:
+        text = text[:-1]
+    return text + "…"
+
+
+def cell(text: str, width: int) -> str:
+    """text in exactly `width` terminal columns, one space at least left between columns."""
+    text = clip(text, width - 1)
+    return text + " " * (width - columns(text))
+
+
+def render(model, labels, top_ids, top_probs, width: int = 14) -> str:
+    piece = lambda i: shown(model.tokenizer.decode([int(i)]))   # noqa: E731
+    lines = ["layer | " + "".join(cell(shown(lab), width) for lab in labels)]
     for layer in range(top_ids.shape[0]):
-        cells = "".join(f"{piece(i) + f' {p:.2f}':<{width}}" for i, p in zip(top_ids[layer], top_probs[layer]))
+        cells = "".join(cell(f"{clip(piece(i), width - 6)} {p:.2f}", width)
+                        for i, p in zip(top_ids[layer], top_probs[layer]))
         lines.append(f"{layer:5d} | {cells}")
-    return "\n".join(lines)
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def plot(model, labels, top_ids, top_probs, out: str) -> None:

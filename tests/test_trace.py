@@ -193,3 +193,20 @@ def test_lens_script_table_ends_with_the_model_prediction(tiny_path, tiny):
     top = tiny.tokenizer.decode([int(logits.argmax())]).replace(" ", "␣").replace("\n", "\\n").replace("\t", "\\t")[:10]
     p = ops.softmax(logits.astype(np.float64)).max()
     assert rows[-1].rstrip().endswith(f"{top} {p:.2f}")                # the last layer, last position
+
+
+def test_lens_table_columns_stay_aligned_with_long_and_wide_tokens():
+    import re
+    from types import SimpleNamespace
+    import lens                                                          # scripts/lens.py (conftest puts it on the path)
+    pieces = {0: "internationalization", 1: "a", 2: "日本語の文章です", 3: "\u200b", 4: "tab\there"}
+    model = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids: pieces[ids[0]]))
+    labels = ["supercalifragilistic", "x", "日本語の文章です", " of"]
+    top_ids = np.array([[0, 1, 2, 3], [4, 0, 1, 2]])                     # [L, P]
+    table = lens.render(model, labels, top_ids, np.full((2, 4), 0.5)).splitlines()
+    for line in table:
+        cells = list(re.finditer(r"\S+ \d\.\d\d" if line[0] != "l" else r"\S+", line[8:]))
+        starts = [lens.columns(line[:8 + m.start()]) for m in cells]
+        assert len(starts) == 4 and len({b - a for a, b in zip(starts, starts[1:])}) == 1, line   # evenly spaced
+        assert starts[0] == 8, line
+    assert table[0].split("|")[0] == "layer " and lens.columns(table[0]) <= 8 + 4 * 14
