@@ -171,7 +171,10 @@ def test_attention_script_lists_the_most_attended_positions(tiny_path, tiny):
     assert bad.returncode == 2 and errors == ["error: --layer 7 is out of range: the model has layers 0 .. 1"]
 
 
-@pytest.mark.parametrize("script, extra", [("attention.py", ["--layer", 0]), ("lens.py", [])])
+@pytest.mark.parametrize("script, extra", [
+    ("attention.py", ["--layer", 0]), ("lens.py", []),
+    ("attention.py", ["--layer", 1, "--head", 2, "--first", "renormalise", "--compare", "the cat sat"]),
+    pytest.param("attention.py", ["--layer", 1, "--lines", "--first", "hide"], marks=pytest.mark.slow)])
 def test_picture_scripts_write_a_png_or_say_what_to_install(tiny_path, tmp_path, script, extra):
     out = tmp_path / "picture.png"
     r = _script(script, "--model", tiny_path, "--prompt", "hello world", "--out", out, *extra)
@@ -210,3 +213,20 @@ def test_lens_table_columns_stay_aligned_with_long_and_wide_tokens():
         assert len(starts) == 4 and len({b - a for a, b in zip(starts, starts[1:])}) == 1, line   # evenly spaced
         assert starts[0] == 8, line
     assert table[0].split("|")[0] == "layer " and lens.columns(table[0]) <= 8 + 4 * 14
+
+
+def test_attention_views_mask_the_future_and_leave_out_the_sink_as_asked():
+    import attention                                                     # scripts/attention.py
+    rng = np.random.default_rng(0)
+    S = 6
+    att = ops.softmax(np.where(np.tril(np.ones((S, S), bool)), rng.normal(size=(2, S, S)), -np.inf))   # [2, S, S]
+    att = np.where(np.tril(np.ones((S, S), bool)), att, 0)              # as Trace.attention gives it
+    shown = attention.view(att)
+    assert (shown.mask == np.triu(np.ones((S, S), bool), k=1)).all()     # exactly the future is masked
+    np.testing.assert_array_equal(shown.data, att)
+    hidden = attention.view(att, "hide")
+    assert hidden.mask[:, :, 0].all() and not hidden.mask[:, 1:, 1:][:, np.tril(np.ones((S - 1, S - 1), bool))].any()
+    renorm = attention.view(att, "renormalise")
+    np.testing.assert_allclose(renorm.sum(axis=-1)[:, 1:], 1.0, rtol=1e-6)   # rows over positions 1..t
+    np.testing.assert_allclose(renorm[:, 3, 1:4], att[:, 3, 1:4] / att[:, 3, 1:4].sum(-1, keepdims=True), rtol=1e-6)
+    assert renorm.mask[:, 0].all()                                       # row 0 reads only position 0: nothing left
