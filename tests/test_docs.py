@@ -165,10 +165,20 @@ PDB_STOP = re.compile(r"^(?:\(Pdb\) )*(?:> |  )\./(?P<file>[\w/.]+\.py)\((?P<lin
                       r"-> (?P<code>.*)$", re.M)
 
 
+BREAKPOINT = re.compile(r"Breakpoint \d+ at \./(?P<file>[\w/.]+\.py):(?P<line>\d+)\n(?:\(Pdb\) )*> \./[\w/.]+\.py"
+                        r"\((?P<stop>\d+)\)")
+
+
 def moved_pdb_stops(text: str) -> list[str]:
-    """pdb stops shown in a page ('> ./file.py(N)function()' then '-> code') whose line N no longer holds that code:
-    the output check masks numbers, so without this a moved line would pass unseen."""
+    """pdb stops shown in a page ('> ./file.py(N)function()' then '-> code') whose line N no longer holds that code,
+    and breakpoints on a function whose line N is no longer its def: the output check masks numbers, so without
+    this a moved line would pass unseen."""
     moved = []
+    for m in BREAKPOINT.finditer(text):
+        lines = (REPO / m["file"]).read_text().splitlines()
+        n = int(m["line"])
+        if n != int(m["stop"]) and (n > len(lines) or not lines[n - 1].lstrip().startswith("def ")):
+            moved.append(f"{m['file']}:{n} is not the def of the function pdb stops in")
     for m in PDB_STOP.finditer(text):
         lines = (REPO / m["file"]).read_text().splitlines()
         n = int(m["line"])
@@ -180,5 +190,7 @@ def moved_pdb_stops(text: str) -> list[str]:
 def test_pdb_stops_in_the_docs_are_at_the_lines_they_show():
     assert moved_pdb_stops("> ./tinyllm/ops.py(3)softmax()\n-> def softmax(x):") == [
         "tinyllm/ops.py(3) shows 'def softmax(x):'"]                        # a line that moved is caught
+    assert moved_pdb_stops("Breakpoint 1 at ./tinyllm/ops.py:3\n(Pdb) > ./tinyllm/ops.py(5)softmax()") == [
+        "tinyllm/ops.py:3 is not the def of the function pdb stops in"]
     for doc in DOCS:
         assert not moved_pdb_stops(doc.read_text()), doc.name
