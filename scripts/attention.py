@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np  # noqa: E402
 
 import tinyllm  # noqa: E402
+from tinyllm.cli import pyplot  # noqa: E402
 from tinyllm.requests import prompt_ids  # noqa: E402
 from tinyllm.trace import Trace  # noqa: E402
 
@@ -69,16 +70,6 @@ def view(att: np.ndarray, first: str = "show") -> np.ma.MaskedArray:
     return np.ma.masked_array(att, mask=hidden)
 
 
-def need_matplotlib():
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        return plt
-    except ImportError:
-        sys.exit("error: the PNG needs matplotlib: pip install -e \".[viz]\" (or use --text)")
-
-
 def traced_prompt(args, model=None, prompt=None):
     """Load the model (unless given) and trace a prompt's forward pass. -> (model, trace, layer)"""
     model = model or tinyllm.load(args.model)
@@ -106,7 +97,7 @@ def top_attended(att: np.ndarray, tokens: list[str], n: int = 3) -> list[str]:
 
 def plot(panels: list, titles: list[str], out: str, first: str = "show") -> None:
     """panels: (att [S, S], tokens) per heatmap, token labels on both axes, the future grey, one colour bar."""
-    plt = need_matplotlib()
+    plt = pyplot(" (or use --text)")
     n = len(panels)
     cols = min(n, 5)
     rows = -(-n // cols)
@@ -137,7 +128,7 @@ def plot(panels: list, titles: list[str], out: str, first: str = "show") -> None
 def plot_lines(panels: list, titles: list[str], out: str, first: str = "show") -> None:
     """bertviz's head view: per panel the tokens in two columns, a line from each query (left) to each key (right)
     as thick and dark as the attention."""
-    plt = need_matplotlib()
+    plt = pyplot(" (or use --text)")
     S = max(a.shape[0] for a, _ in panels)
     fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 0.8 + 0.26 * S), squeeze=False)
     for ax, (att, tokens), title in zip(axes.flat, panels, titles):

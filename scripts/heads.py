@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np  # noqa: E402
 
 import tinyllm  # noqa: E402
+from tinyllm.cli import pyplot  # noqa: E402
 from tinyllm import heads  # noqa: E402
 
 
@@ -52,12 +53,7 @@ def render_grid(scores: np.ndarray, kind: str) -> str:
 
 
 def plot(scores: dict, title: str, out: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        sys.exit("error: the PNG needs matplotlib: pip install -e \".[viz]\"")
+    plt = pyplot()
     L, H = next(iter(scores.values())).shape
     fig, axes = plt.subplots(1, len(scores), figsize=(1.6 + 0.45 * H * len(scores), 1.5 + 0.2 * L), sharey=True)
     for ax, (kind, s) in zip(axes, scores.items()):

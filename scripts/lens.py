@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np  # noqa: E402
 
 import tinyllm  # noqa: E402
+from tinyllm.cli import pyplot  # noqa: E402
 from tinyllm.requests import prompt_ids  # noqa: E402
 from tinyllm.trace import Trace  # noqa: E402
 
@@ -82,12 +83,7 @@ def render(model, labels, top_ids, top_probs, width: int = 14) -> str:
 
 
 def plot(model, labels, top_ids, top_probs, out: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        sys.exit("error: the PNG needs matplotlib: pip install -e \".[viz]\"")
+    plt = pyplot()
     L, P = top_ids.shape
     fig, ax = plt.subplots(figsize=(1.0 + 1.1 * P, 0.9 + 0.28 * L))
     ax.imshow(top_probs, cmap="Blues", vmin=0, vmax=1, aspect="auto")

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np  # noqa: E402
 
 import tinyllm  # noqa: E402
+from tinyllm.cli import pyplot  # noqa: E402
 from tinyllm import ops  # noqa: E402
 from tinyllm.interventions import Patch  # noqa: E402
 from tinyllm.trace import Trace  # noqa: E402
@@ -85,12 +86,7 @@ def render(labels: list[str], restored: np.ndarray) -> str:
 
 
 def plot(labels: list[str], restored: np.ndarray, title: str, out: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        sys.exit("error: the PNG needs matplotlib: pip install -e \".[viz]\"")
+    plt = pyplot()
     L, T = restored.shape
     fig, ax = plt.subplots(figsize=(2.0 + 0.9 * T, 1.2 + 0.2 * L))
     im = ax.imshow(restored, cmap="RdBu", vmin=-1, vmax=1, aspect="auto")
