@@ -172,7 +172,7 @@ def test_attention_script_lists_the_most_attended_positions(tiny_path, tiny):
 
 
 @pytest.mark.parametrize("script, extra", [
-    ("attention.py", ["--layer", 0]), ("lens.py", []),
+    ("attention.py", ["--layer", 0]), ("lens.py", ["--compare", "the cat sat"]),
     ("attention.py", ["--layer", 1, "--head", 2, "--first", "renormalise", "--compare", "the cat sat"]),
     pytest.param("attention.py", ["--layer", 1, "--lines", "--first", "hide"], marks=pytest.mark.slow)])
 def test_picture_scripts_write_a_png_or_say_what_to_install(tiny_path, tmp_path, script, extra):
