@@ -24,6 +24,7 @@ EXIT_BAD_INPUT, EXIT_IO_FAILURE, EXIT_INTERRUPTED = 2, 74, 130
 
 try:                     # importing numpy and Numba takes a while: Ctrl-C then must not print a traceback
     import tinyllm  # noqa: E402
+    from tinyllm.cli import DefaultsHelpFormatter  # noqa: E402
     from tinyllm import converted  # noqa: E402
     from tinyllm.hub import FetchError  # noqa: E402
 except KeyboardInterrupt:
@@ -33,7 +34,7 @@ except KeyboardInterrupt:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=DefaultsHelpFormatter)
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--model", default=None, help="a .gguf file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--quant", default=None, choices=["fp32", "int8", "int8-block", "q4_1", "q4_k", "native"],

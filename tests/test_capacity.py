@@ -232,6 +232,14 @@ def test_capacity_cli_prints_the_seed_figures():
     assert "float32 237, float16 475 (2.00x), int8 894 (3.77x)" in r.stdout       # the 7b preset stores fp16
     r = script("capacity.py", "batching", "--slots", "4", "--requests", "10", "4", "6", "24", "14", "20", "18")
     assert r.returncode == 0 and "everything done at step 28 vs 44" in r.stdout, r.stderr
+    assert "compiling" not in r.stderr                                   # it runs no model: nothing to compile
+    code = ("import runpy, sys; sys.argv = ['capacity.py', 'batching']\n"
+            "try: runpy.run_path(sys.argv[0].join(['scripts/', '']), run_name='__main__')\n"
+            "except SystemExit: pass\n"
+            "assert 'numba' not in sys.modules, 'the batching simulation imported numba'")
+    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
 
 
 @pytest.mark.parametrize("args, message", [

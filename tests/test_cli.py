@@ -246,3 +246,13 @@ def test_fuzz_cli_flags_exit_codes(cli, capsys, tiny_path, flags, switches):
         assert_one_line_error(code, err)
     else:
         assert "Traceback" not in err and ("--json" not in switches or json.loads(out)["token_ids"] is not None)
+
+
+@pytest.mark.parametrize("script", ["generate.py", "serve.py"])
+def test_help_says_each_default_once(script):
+    r = subprocess.run([sys.executable, str(SCRIPT.parent / script), "--help"], capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, COLUMNS="200"))
+    assert r.returncode == 0, r.stderr
+    options = [line for line in r.stdout.splitlines() if "(default" in line]
+    assert options and not [line for line in options if line.count("(default") > 1 or "(default: None)" in line]
+    assert "(default: float32)" in r.stdout                            # a default the help does not state: shown

@@ -22,7 +22,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = sorted((REPO / "docs").rglob("*.md"))
-NEEDS_MODEL = ("generate.py", "tinyllm.load", "attention.py", "lens.py", "tokens.py", "--preset smollm2")
+NEEDS_MODEL = ("generate.py", "tinyllm.load", "attention.py", "lens.py", "tokens.py", "heads.py", "patch.py",
+               "--preset smollm2")
 FENCE = re.compile(r"(?P<skip><!-- no-test: (?P<why>[^>]*)-->\n)?```(?P<lang>\w*)\n(?P<body>.*?)```", re.S)
 
 
@@ -158,3 +159,38 @@ def test_report_reads_each_cpu_kind_and_keeps_an_old_file_until_a_vnni_one_repla
     (tmp_path / "x.avx-512-vnni.json").write_text('{"machine": {"isa": "AVX-512 VNNI"}}')
     assert [kind for kind, _ in report.load("x")] == ["AVX-512 VNNI", "AVX2"]
     assert report.per_kind("y", "python benchmarks/y.py", None) == ["not measured yet: run `python benchmarks/y.py`"]
+
+
+PDB_STOP = re.compile(r"^(?:\(Pdb\) )*(?:> |  )\./(?P<file>[\w/.]+\.py)\((?P<line>\d+)\)[\w<>]+\(\).*\n"
+                      r"-> (?P<code>.*)$", re.M)
+
+
+BREAKPOINT = re.compile(r"Breakpoint \d+ at \./(?P<file>[\w/.]+\.py):(?P<line>\d+)\n(?:\(Pdb\) )*> \./[\w/.]+\.py"
+                        r"\((?P<stop>\d+)\)")
+
+
+def moved_pdb_stops(text: str) -> list[str]:
+    """pdb stops shown in a page ('> ./file.py(N)function()' then '-> code') whose line N no longer holds that code,
+    and breakpoints on a function whose line N is no longer its def: the output check masks numbers, so without
+    this a moved line would pass unseen."""
+    moved = []
+    for m in BREAKPOINT.finditer(text):
+        lines = (REPO / m["file"]).read_text().splitlines()
+        n = int(m["line"])
+        if n != int(m["stop"]) and (n > len(lines) or not lines[n - 1].lstrip().startswith("def ")):
+            moved.append(f"{m['file']}:{n} is not the def of the function pdb stops in")
+    for m in PDB_STOP.finditer(text):
+        lines = (REPO / m["file"]).read_text().splitlines()
+        n = int(m["line"])
+        if n > len(lines) or lines[n - 1].strip() != m["code"].strip():
+            moved.append(f"{m['file']}({n}) shows {m['code'].strip()!r}")
+    return moved
+
+
+def test_pdb_stops_in_the_docs_are_at_the_lines_they_show():
+    assert moved_pdb_stops("> ./tinyllm/ops.py(3)softmax()\n-> def softmax(x):") == [
+        "tinyllm/ops.py(3) shows 'def softmax(x):'"]                        # a line that moved is caught
+    assert moved_pdb_stops("Breakpoint 1 at ./tinyllm/ops.py:3\n(Pdb) > ./tinyllm/ops.py(5)softmax()") == [
+        "tinyllm/ops.py:3 is not the def of the function pdb stops in"]
+    for doc in DOCS:
+        assert not moved_pdb_stops(doc.read_text()), doc.name

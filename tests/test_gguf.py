@@ -122,6 +122,18 @@ def test_truncated_default_model_names_region(default_model_path, tmp_path, regi
         tinyllm.load(p)
 
 
+def test_a_model_is_named_as_its_file_not_by_the_converters_guess(tmp_path, default_model_path):
+    from tinyllm.checkpoint import name_from_file
+    assert GGUFFile(default_model_path).metadata["general.name"] == "Smollm2 135M 8k Lc100K Mix1 Ep2"
+    assert name_from_file(default_model_path) == "SmolLM2-135M-Instruct"
+    assert [name_from_file(n) for n in ("m-7B.q8_0.gguf", "m.IQ4_XS.gguf", "m-f16.gguf", "plain.gguf", "Q4_1.gguf")] \
+        == ["m-7B", "m", "m", "plain", "Q4_1"]
+    path = tmp_path / "Tiny-2L.Q4_1.gguf"
+    tiny_llama(path)                                                    # general.name: "tiny-test"
+    model = tinyllm.load(path, backend="numpy")
+    assert model.config.name == "Tiny-2L" and repr(model).startswith("Transformer(Tiny-2L:")
+
+
 def test_default_model_metadata(default_model_path):
     md = GGUFFile(default_model_path).metadata
     assert md["llama.block_count"] == 30 and md["llama.attention.head_count_kv"] == 3

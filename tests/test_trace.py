@@ -83,6 +83,22 @@ def test_sampling_stages_compose_to_the_distribution_sampled(tiny):
     assert [s.stage for s in greedy.stages] == ["raw", "greedy"] and greedy.prob == 1.0
 
 
+def test_a_sampling_stage_lists_only_the_tokens_that_survived_it(tiny):
+    """No stage is padded with cut tokens at probability 0; each says how many tokens it kept."""
+    V = tiny.config.vocab_size
+    greedy = tinyllm.generate(tiny, PROMPT, max_new_tokens=1, trace=True).trace.sampling[0]
+    raw, chosen = greedy.stages
+    assert (chosen.ids, chosen.probs, chosen.kept) == ([greedy.token], [1.0], 1)
+    assert raw.kept == V and len(raw.ids) == 10 and min(raw.probs) > 0
+    tr = tinyllm.generate(tiny, PROMPT, max_new_tokens=3, trace=True, seed=1, temperature=1.0, top_k=4,
+                          top_p=0.5).trace
+    for token in tr.sampling:
+        for stage in token.stages:
+            assert len(stage.ids) == min(10, stage.kept) and min(stage.probs) > 0, stage
+        top_k, top_p = token.stages[-2:]
+        assert top_k.kept == 4 and 1 <= top_p.kept <= 4 and token.token in top_p.ids
+
+
 @pytest.mark.parametrize("other", [dict(backend="numpy"), dict(kv="paged")])
 def test_backends_and_caches_give_the_same_trace(tiny, traced, other):
     if "backend" in other:
@@ -99,6 +115,15 @@ def test_backends_and_caches_give_the_same_trace(tiny, traced, other):
         np.testing.assert_allclose(b.attention(layer), a.attention(layer), atol=1e-4)
         np.testing.assert_allclose(b.k(layer), a.k(layer), atol=1e-4)
         np.testing.assert_allclose(b.residual_norms(layer), a.residual_norms(layer), rtol=1e-4)
+
+
+def test_trace_and_patch_are_part_of_the_package_api(tiny):
+    import tinyllm.interventions
+    assert tinyllm.Trace is Trace and tinyllm.Patch is tinyllm.interventions.Patch
+    assert {"Trace", "Patch"} <= set(tinyllm.__all__)
+    tr = tinyllm.Trace(layers=[1])
+    tiny.logits([40, 41], trace=tr)
+    assert tr.layers == [1] and tr.layer_output(1).shape == (2, tiny.config.dim)
 
 
 def test_the_no_cache_forward_can_be_traced_and_selections_bound_memory(tiny):
@@ -146,7 +171,10 @@ def test_attention_script_lists_the_most_attended_positions(tiny_path, tiny):
     assert bad.returncode == 2 and errors == ["error: --layer 7 is out of range: the model has layers 0 .. 1"]
 
 
-@pytest.mark.parametrize("script, extra", [("attention.py", ["--layer", 0]), ("lens.py", [])])
+@pytest.mark.parametrize("script, extra", [
+    ("attention.py", ["--layer", 0]), ("lens.py", ["--compare", "the cat sat"]),
+    ("attention.py", ["--layer", 1, "--head", 2, "--first", "renormalise", "--compare", "the cat sat"]),
+    pytest.param("attention.py", ["--layer", 1, "--lines", "--first", "hide"], marks=pytest.mark.slow)])
 def test_picture_scripts_write_a_png_or_say_what_to_install(tiny_path, tmp_path, script, extra):
     out = tmp_path / "picture.png"
     r = _script(script, "--model", tiny_path, "--prompt", "hello world", "--out", out, *extra)
@@ -168,3 +196,37 @@ def test_lens_script_table_ends_with_the_model_prediction(tiny_path, tiny):
     top = tiny.tokenizer.decode([int(logits.argmax())]).replace(" ", "␣").replace("\n", "\\n").replace("\t", "\\t")[:10]
     p = ops.softmax(logits.astype(np.float64)).max()
     assert rows[-1].rstrip().endswith(f"{top} {p:.2f}")                # the last layer, last position
+
+
+def test_lens_table_columns_stay_aligned_with_long_and_wide_tokens():
+    import re
+    from types import SimpleNamespace
+    import lens                                                          # scripts/lens.py (conftest puts it on the path)
+    pieces = {0: "internationalization", 1: "a", 2: "日本語の文章です", 3: "\u200b", 4: "tab\there"}
+    model = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids: pieces[ids[0]]))
+    labels = ["supercalifragilistic", "x", "日本語の文章です", " of"]
+    top_ids = np.array([[0, 1, 2, 3], [4, 0, 1, 2]])                     # [L, P]
+    table = lens.render(model, labels, top_ids, np.full((2, 4), 0.5)).splitlines()
+    for line in table:
+        cells = list(re.finditer(r"\S+ \d\.\d\d" if line[0] != "l" else r"\S+", line[8:]))
+        starts = [lens.columns(line[:8 + m.start()]) for m in cells]
+        assert len(starts) == 4 and len({b - a for a, b in zip(starts, starts[1:])}) == 1, line   # evenly spaced
+        assert starts[0] == 8, line
+    assert table[0].split("|")[0] == "layer " and lens.columns(table[0]) <= 8 + 4 * 14
+
+
+def test_attention_views_mask_the_future_and_leave_out_the_sink_as_asked():
+    import attention                                                     # scripts/attention.py
+    rng = np.random.default_rng(0)
+    S = 6
+    att = ops.softmax(np.where(np.tril(np.ones((S, S), bool)), rng.normal(size=(2, S, S)), -np.inf))   # [2, S, S]
+    att = np.where(np.tril(np.ones((S, S), bool)), att, 0)              # as Trace.attention gives it
+    shown = attention.view(att)
+    assert (shown.mask == np.triu(np.ones((S, S), bool), k=1)).all()     # exactly the future is masked
+    np.testing.assert_array_equal(shown.data, att)
+    hidden = attention.view(att, "hide")
+    assert hidden.mask[:, :, 0].all() and not hidden.mask[:, 1:, 1:][:, np.tril(np.ones((S - 1, S - 1), bool))].any()
+    renorm = attention.view(att, "renormalise")
+    np.testing.assert_allclose(renorm.sum(axis=-1)[:, 1:], 1.0, rtol=1e-6)   # rows over positions 1..t
+    np.testing.assert_allclose(renorm[:, 3, 1:4], att[:, 3, 1:4] / att[:, 3, 1:4].sum(-1, keepdims=True), rtol=1e-6)
+    assert renorm.mask[:, 0].all()                                       # row 0 reads only position 0: nothing left

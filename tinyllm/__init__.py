@@ -17,12 +17,14 @@ from pathlib import Path
 
 from .config import ModelConfig
 from .generate import CacheSpec, GenerationResult, GenerationStats, generate, stream
+from .interventions import Patch
 from .model import Transformer
 from .sampling import SamplingParams
 from .threads import set_threads
+from .trace import Trace
 
 __all__ = ["load", "generate", "stream", "set_threads", "Transformer", "ModelConfig", "SamplingParams", "CacheSpec",
-           "GenerationResult", "GenerationStats"]
+           "GenerationResult", "GenerationStats", "Trace", "Patch"]
 
 
 

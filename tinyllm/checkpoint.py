@@ -13,6 +13,8 @@ Left out: reading the files (gguf_weights.py, hf_weights.py) and what a load doe
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 
@@ -35,6 +37,16 @@ def config_number(value, key: str, source: str, kind: type):
         raise CheckpointError(f"{source}: {key} is {value!r}, expected {what}; the file is corrupt or not a "
                               f"model config")
     return kind(value)
+
+
+QUANT_TAG = re.compile(r"[.-](?:I?Q\d\w*|F16|F32|BF16)$", re.I)     # ".Q4_1", "-q8_0", ".IQ4_XS", ".f16"
+
+
+def name_from_file(path) -> str:
+    """The model's name as its file says it: SmolLM2-135M-Instruct.Q4_1.gguf -> "SmolLM2-135M-Instruct". (A GGUF's
+    general.name is often a converter's title-cased guess: "Smollm2 135M 8k Lc100K Mix1 Ep2".)"""
+    stem = Path(path).name.removesuffix(".gguf")
+    return QUANT_TAG.sub("", stem) or stem
 
 
 def model_config(source: str, **fields) -> ModelConfig:

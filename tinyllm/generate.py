@@ -122,7 +122,7 @@ class CacheSpec:
 
 def stream(model, prompt, max_new_tokens: int = 256, *, params: SamplingParams | None = None,
            cache: CacheSpec | None = None, stop: Sequence[str] = (), chat: bool = False, ignore_eos: bool = False,
-           speculative=None, num_draft: int = 4, trace=None, **settings) -> Stream:
+           speculative=None, num_draft: int = 4, trace=None, ablate=(), patch=(), **settings) -> Stream:
     """Generate from `prompt` and yield text pieces as they decode (never half a UTF-8 character).
 
     prompt: a string (used as is, or wrapped in the model's chat template if `chat=True`), a list of chat
@@ -135,6 +135,8 @@ def stream(model, prompt, max_new_tokens: int = 256, *, params: SamplingParams |
     ignore_eos: keep generating past the end-of-sequence token (benchmarks use it for fixed output lengths).
     trace: True (or a trace.Trace, to choose layers, heads and the position cap) records what the model did
     inside, layer by layer, and every sampling stage; `result.trace` holds it. Same tokens, slower steps.
+    ablate: (layer, head) pairs whose output is zeroed in every pass; patch: interventions.Patch values put in
+    place at their positions (interventions.py). Both run each pass op by op.
     speculative: a draft source ("self-q4", "self-int8", "layers:N", "ngram", "draft=PATH", or an object from
     speculative.make_draft) to draft `num_draft` tokens per target pass; the output distribution is unchanged.
     """
@@ -144,15 +146,19 @@ def stream(model, prompt, max_new_tokens: int = 256, *, params: SamplingParams |
     if trace is True:
         from .trace import Trace
         trace = Trace()
+    from .interventions import make_interventions
+    edit = make_interventions(model.config, ablate, patch)
     if speculative is not None:
         if trace is not None:
             raise ValueError("trace follows plain decoding: drop speculative=... to trace a run")
+        if edit is not None:
+            raise ValueError("ablate and patch follow plain decoding: drop speculative=... to intervene")
         from .speculative import make_draft
         num_draft = positive_int(num_draft, "num_draft")
         speculative = (make_draft(model, speculative), num_draft)
     holder: list = []
     return Stream(_run(model, prompt, params, max_new_tokens, stops, chat, holder, speculative, cache, ignore_eos,
-                       trace), holder)
+                       trace, edit), holder)
 
 
 def _settings(params, cache, keywords: dict) -> tuple[SamplingParams, CacheSpec]:
@@ -210,7 +216,8 @@ def new_cache(model, max_seq_len: int, spec: CacheSpec = CacheSpec()):
     return pool.new_sequence()
 
 
-def _plain_tokens(model, ids: list[int], cache, logits, params: SamplingParams, rng, trace=None) -> Iterator[int]:
+def _plain_tokens(model, ids: list[int], cache, logits, params: SamplingParams, rng, trace=None,
+                  edit=None) -> Iterator[int]:
     """Plain decoding: sample a token, feed it back through the model, repeat; one token per model pass."""
     history = list(ids)          # for the repetition penalty
     while True:
@@ -220,12 +227,12 @@ def _plain_tokens(model, ids: list[int], cache, logits, params: SamplingParams, 
             trace.record_sampling(stages, next_id)
         yield next_id
         history.append(next_id)
-        logits = model.decode_step(next_id, cache, trace=trace)         # [V]
+        logits = model.decode_step(next_id, cache, trace=trace, edit=edit)   # [V]
 
 
 def _run(model, prompt, params: SamplingParams, max_new_tokens: int, stops: StopStrings, chat: bool,
          holder: list, speculative=None, spec: CacheSpec = CacheSpec(), ignore_eos: bool = False,
-         trace=None) -> Iterator[str]:
+         trace=None, edit=None) -> Iterator[str]:
     t_start = time.perf_counter()
     tok = model.tokenizer
     ids = prompt_ids(model, prompt, chat)
@@ -235,15 +242,17 @@ def _run(model, prompt, params: SamplingParams, max_new_tokens: int, stops: Stop
     ends = set() if ignore_eos else end_token_ids(tok)
     stats = GenerationStats(prompt_tokens=len(ids))
     cache = new_cache(model, min(ctx, len(ids) + max_new_tokens), spec)
+    if edit is not None:
+        edit.check_positions(min(ctx, len(ids) + max_new_tokens))    # the positions this run can reach
     stats.kv_bytes_per_token = cache.bytes_per_token
 
     # --- prefill: the whole prompt (model.prefill: in chunks past 128 tokens) -> logits for the first new token
     t0 = time.perf_counter()
-    logits = model.prefill(ids, cache, trace=trace)                      # [V]
+    logits = model.prefill(ids, cache, trace=trace, edit=edit)           # [V]
     stats.prefill_s = time.perf_counter() - t0
 
     if speculative is None:
-        tokens = _plain_tokens(model, ids, cache, logits, params, rng, trace)
+        tokens = _plain_tokens(model, ids, cache, logits, params, rng, trace, edit)
     else:                        # draft several tokens, verify them in one pass (speculative.py)
         from .speculative import SpeculativeStats, speculative_tokens
         draft, k = speculative

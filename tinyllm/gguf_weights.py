@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import CheckpointError, check_shapes, config_number, fold_scales, model_config
+from .checkpoint import CheckpointError, check_shapes, config_number, fold_scales, model_config, name_from_file
 from .config import ModelConfig
 from .gguf import GGUFError, GGUFFile
 from .quant import QuantizedWeight, from_gguf_block
@@ -101,7 +101,7 @@ def gguf_config(gg: GGUFFile) -> ModelConfig:
         rotary_dim=rope_dims if rope_dims and rope_dims < (head_dim or n_heads and get("embedding_length") // n_heads)
         else None, parallel_residual=bool(md.get(f"{arch}.use_parallel_residual", False)),
         family=FAMILY_NAMES.get(arch, arch),
-        name=str(md.get("general.name", "")),
+        name=name_from_file(gg.path),
     )
 
 

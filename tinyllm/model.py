@@ -17,6 +17,7 @@ import numpy as np
 
 from .backend import BACKENDS, make_backend
 from .config import ModelConfig
+from .interventions import make_interventions
 from .kv_cache import ContiguousKVCache, Segment, attention_groups, query_for
 from .ops import rope_tables
 from .quant import QuantizedWeight
@@ -132,11 +133,15 @@ class Transformer:
             self._warm_up()
 
     # --- the three public ways in ----------------------------------------------------------------------------
-    def logits(self, ids, trace=None) -> np.ndarray:
-        """No-cache reference forward over the whole sequence. -> [T, V] float32 (trace: a trace.Trace to fill)"""
-        return self.forward(ids, cache=None, trace=trace)
+    def logits(self, ids, trace=None, ablate=(), patch=()) -> np.ndarray:
+        """No-cache reference forward over the whole sequence. -> [T, V] float32 (trace: a trace.Trace to fill;
+        ablate: (layer, head) pairs whose output is zeroed; patch: interventions.Patch values put in place)"""
+        edit = make_interventions(self.config, ablate, patch)
+        if edit is not None:
+            edit.check_positions(len(self._check_ids(ids)))
+        return self.forward(ids, cache=None, trace=trace, edit=edit)
 
-    def prefill(self, ids, cache: ContiguousKVCache, trace=None) -> np.ndarray:
+    def prefill(self, ids, cache: ContiguousKVCache, trace=None, edit=None) -> np.ndarray:
         """Run the prompt through, filling `cache`. -> [V] logits of the last prompt position.
 
         A long prompt goes through in chunks of the backend's prefill_chunk tokens (the kernels': each chunk's
@@ -148,12 +153,13 @@ class Transformer:
         self._check_room(len(ids), cache)                           # all or nothing: no chunk is cached if it fails
         chunk = self.compute.prefill_chunk or len(ids)
         for s in range(0, len(ids), chunk):
-            logits = self.forward(ids[s:s + chunk], cache=cache, last_only=True, trace=trace)[0]
+            logits = self.forward(ids[s:s + chunk], cache=cache, last_only=True, trace=trace, edit=edit)[0]
         return logits
 
-    def decode_step(self, token_id: int, cache: ContiguousKVCache, trace=None) -> np.ndarray:
-        """One new token at position cache.length, attending to everything cached. -> [V] logits"""
-        return self.forward([token_id], cache=cache, trace=trace)[0]
+    def decode_step(self, token_id: int, cache: ContiguousKVCache, trace=None, edit=None) -> np.ndarray:
+        """One new token at position cache.length, attending to everything cached. -> [V] logits
+        (edit: an interventions.Interventions applied to this pass, as generate(ablate=..., patch=...) passes)"""
+        return self.forward([token_id], cache=cache, trace=trace, edit=edit)[0]
 
     def new_cache(self, max_seq_len: int | None = None, kv_dtype: str = "float32") -> ContiguousKVCache:
         """A contiguous KV cache for up to `max_seq_len` positions (default: the model's context length), storing
@@ -175,15 +181,17 @@ class Transformer:
 
     # --- the forward pass -------------------------------------------------------------------------------------
     def forward(self, ids, cache: ContiguousKVCache | None = None, last_only: bool = False,
-                trace=None) -> np.ndarray:
+                trace=None, edit=None) -> np.ndarray:
         """Tokens `ids` at positions cache.length .. (or 0 .. without a cache). -> [T, V] (or [1, V] if last_only)"""
-        return self.forward_batch([ids], [cache], last_only=last_only, trace=trace)[0]
+        return self.forward_batch([ids], [cache], last_only=last_only, trace=trace, edit=edit)[0]
 
-    def forward_batch(self, seqs: list, caches: list, last_only: bool = False, trace=None) -> list[np.ndarray]:
+    def forward_batch(self, seqs: list, caches: list, last_only: bool = False, trace=None,
+                      edit=None) -> list[np.ndarray]:
         """Several sequences in one pass: their token rows are stacked into one [N, D] activation, so every
         matrix multiply runs once for all of them; only attention is done per sequence, against its own cache.
         -> per sequence, [T_j, V] logits (or [1, V] with last_only). trace (trace.Trace, one sequence only):
-        records what each layer computes; the pass then runs op by op."""
+        records what each layer computes; edit (interventions.Interventions, one sequence only): ablations and
+        patches. Either makes the pass run op by op."""
         if len(seqs) != len(caches) or not seqs:
             raise ValueError(f"need one cache (or None) per sequence, got {len(seqs)} sequences, {len(caches)} caches")
         ids = [self._check_ids(s) for s in seqs]
@@ -199,6 +207,9 @@ class Transformer:
             if len(segments) != 1:
                 raise ValueError("a trace follows one sequence: trace a forward pass of a single sequence")
             trace.begin_pass(self, ids[0], segments[0].start)
+        if edit is not None and len(segments) != 1:
+            raise ValueError("interventions follow one sequence: ablate or patch a forward pass of a single sequence")
+        watched = trace is not None or edit is not None             # op by op, over its one sequence
 
         x = self._embed(np.concatenate(ids))                        # [N, D]
         if self.config.embed_scale != 1.0:                          # granite
@@ -208,15 +219,15 @@ class Transformer:
             rope = None
         else:                                                       # llama: each row's rotation angles
             rope = self.rope_cos[positions], self.rope_sin[positions]   # 2 x [N, Dh/2]
-        if trace is None and self.compute.fuses(row) and self._fusable(segments):
+        if not watched and self.compute.fuses(row) and self._fusable(segments):
             self.compute.decode_blocks(self, x, segments[0].start, segments[0].cache)   # x [T, D], in place
         else:
             # who attends with whom, the same in every layer (a traced pass: its one sequence, read as a Segment)
-            groups = attention_groups(segments) if trace is None else segments
+            groups = attention_groups(segments) if not watched else segments
             for pool in {id(g.pool): g.pool for g in groups if hasattr(g, "pool")}.values():
                 self.compute.warm_up_paged(self, pool.kv_dtype)   # (a no-op once warm: see warm_up_pool)
             for i, layer in enumerate(self.layers):
-                x = self._block(ops, x, layer, i, rope, groups, trace)   # [N, D]
+                x = self._block(ops, x, layer, i, rope, groups, trace, edit)   # [N, D]
         for s in segments:
             if s.cache is not None:
                 s.cache.length = s.start + s.n_tokens
@@ -230,7 +241,7 @@ class Transformer:
             return [logits[j:j + 1] for j in range(len(segments))]
         return [logits[s.rows] for s in segments]
 
-    def _block(self, ops, x, layer: LayerWeights, i: int, rope, groups: list, trace=None) -> np.ndarray:
+    def _block(self, ops, x, layer: LayerWeights, i: int, rope, groups: list, trace=None, edit=None) -> np.ndarray:
         """One transformer block: x + attention(norm(x)), then x + mlp(norm(x)). x [N, D] -> [N, D]
         ops: the functions this pass runs on (the backend's `ops_for` its row count)."""
         x_in = x
@@ -255,6 +266,8 @@ class Transformer:
             att = np.empty((T, H * Dh), dtype=np.float32)
             for g in groups:
                 att[g.rows] = g.attend(i, q[g.rows], k[g.rows], v[g.rows], ops)
+        if edit is not None:                                        # heads ablated or patched (one sequence)
+            att = edit.heads(i, att, groups[0].start)               # [T, H*Dh]
         out = ops.linear(att, layer.wo, layer.bo, int8_inputs=int8_inputs)   # [T, D]
         x = x + (self._norm(ops, out, layer.attn_post_norm, None) if c.post_norm else out)   # (olmo2: normed)
         x_mid = x
@@ -269,6 +282,8 @@ class Transformer:
             h = gelu(ops.linear(h, layer.w_in, layer.b_in, int8_inputs=int8_inputs))   # [T, F]
         out = ops.linear(h, layer.w_out, layer.b_out, int8_inputs=int8_inputs)             # [T, D]
         x = x + (self._norm(ops, out, layer.ffn_post_norm, None) if c.post_norm else out)
+        if edit is not None:                                        # the residual stream patched
+            x = edit.residual(i, x, groups[0].start)                # [T, D]
         if trace is not None and trace.records_layer(i):
             cache, start = groups[0].cache, groups[0].start             # a traced pass has one sequence
             if cache is not None:                                   # what attention read: the stored, rounded K/V

@@ -38,8 +38,9 @@ class TraceLimitError(ValueError):
 class StageTop:
     """The most likely tokens after one sampling stage."""
     stage: str                  # "raw", "repetition penalty", "temperature", "top-k", "top-p", "min-p", "greedy"
-    ids: list[int]              # up to STAGES_TOP ids, most likely first
+    ids: list[int]              # up to STAGES_TOP ids that survived the stage (probability > 0), most likely first
     probs: list[float]          # their probabilities in this stage's distribution
+    kept: int = 0               # how many tokens survived the stage in all (the vocabulary, before any cut)
 
 
 @dataclass
@@ -112,8 +113,9 @@ class Trace:
         """The (name, p [V]) stages of sampling.sample for one generated token, and the token drawn."""
         kept = []
         for name, p in stages:
-            top = np.argsort(-p, kind="stable")[:STAGES_TOP]
-            kept.append(StageTop(name, [int(t) for t in top], [float(p[t]) for t in top]))
+            survivors = int(np.count_nonzero(p))
+            top = np.argsort(-p, kind="stable")[:min(STAGES_TOP, survivors)]   # a cut token is not a candidate
+            kept.append(StageTop(name, [int(t) for t in top], [float(p[t]) for t in top], survivors))
         self.sampling.append(SampledToken(kept, int(token), float(stages[-1][1][token])))
 
     # --- reading ------------------------------------------------------------------------------------------------
@@ -153,6 +155,16 @@ class Trace:
         """[S, KVH, Dh] every position's values."""
         return self._cat(layer, "v")
 
+    def layer_output(self, layer: int) -> np.ndarray:
+        """[S, D] the residual stream leaving block `layer` at every position (what the logit lens reads)."""
+        return self._cat(layer, "out")
+
+    def head_outputs(self, layer: int) -> np.ndarray:
+        """[S, H, Dh] every head's output at every position: its attention probabilities times the values, what
+        the output projection wo reads (recomputed from the recorded q, k, v, as `attention` is)."""
+        q, k, v = self.q(layer), self.k(layer), self.v(layer)        # [S, H, Dh], [S, KVH, Dh] x 2
+        return ops.attention(q, k, v, 0).reshape(q.shape)             # [S, H, Dh]
+
     def residual_norms(self, layer: int) -> np.ndarray:
         """[S, 3] the residual stream's L2 norm per position: entering the layer, after attention, after the MLP."""
         return self._cat(layer, "norms")
@@ -176,7 +188,7 @@ class Trace:
         (nostalgebraist 2020). -> (ids [S, top], probs [S, top]), most likely first; for the last layer these are
         the model's own predictions."""
         m = self._model
-        x = self._cat(layer, "out")                                  # [S, D]
+        x = self.layer_output(layer)                                 # [S, D]
         if positions is not None:
             x = x[list(positions)]                                   # [P, D]
         if m.config.norm == "rms":
