@@ -1,0 +1,133 @@
+#!/usr/bin/env python
+"""Decode on a busy machine: tok/s quiet and beside 1 and 3 competing busy processes, measured alternately.
+
+    python benchmarks/contention.py [--formats fp32 native+a8] [--competitors 1 3] [--rounds 5] [--seconds 3]
+                                    [--threads 2] [--old /path/to/other/checkout] [--write]
+
+A competitor is a process with two busy threads (two shell loops that never sleep), as a build or another model
+would be. Each round measures every format quiet and beside each number of competitors, in turn, so drift hits
+all of them alike; a measurement is the median step time of decode steps over `--seconds` (and at least 16 steps, a
+short answer) at context 64 (the cache cut back after each step). Reported: median tok/s per format and condition, and each condition's median
+ratio to quiet in the same round. With --old, the same measurements also run in a worker on another checkout
+(alternating with this one), for an A/B of what a change does under load.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+WORKER = r"""
+import json, sys, time
+import numpy as np
+import tinyllm
+tinyllm.set_threads(THREADS)
+models = {}
+for line in sys.stdin:
+    fmt, seconds = json.loads(line)
+    if fmt not in models:
+        quant, _, a8 = fmt.partition("+")
+        models[fmt] = tinyllm.load(quant=None if quant == "fp32" else quant,
+                                   activations="int8" if a8 else "float32")
+        m = models[fmt]
+        c = m.new_cache(80)
+        m.prefill(np.arange(64), c)
+        m.decode_step(1, c)
+    m = models[fmt]
+    cache = m.new_cache(80)
+    m.prefill(np.arange(64), cache)
+    times, t_end = [], time.perf_counter() + seconds
+    while time.perf_counter() < t_end or len(times) < 16:     # a short answer's worth of steps, at least
+        t0 = time.perf_counter()
+        m.decode_step(1, cache)
+        times.append(time.perf_counter() - t0)
+        cache.length = 64
+    print(json.dumps(1.0 / float(np.median(times))), flush=True)
+"""
+
+
+class Side:
+    """A worker process decoding with one checkout of tinyllm."""
+
+    def __init__(self, checkout: Path, threads: int):
+        code = f"import sys; sys.path.insert(0, {str(checkout)!r})\n" + WORKER.replace("THREADS", str(threads))
+        env = dict(os.environ, OPENBLAS_THREAD_TIMEOUT="1")
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, cwd=checkout, env=env)
+
+    def tok_per_s(self, fmt: str, seconds: float) -> float:
+        self.proc.stdin.write(json.dumps([fmt, seconds]) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+
+def start_competitors(n: int) -> list[subprocess.Popen]:
+    """n processes of two busy threads each (shell loops: no syscalls, no memory traffic)."""
+    return [subprocess.Popen(["sh", "-c", "(while :; do :; done) & while :; do :; done"], start_new_session=True)
+            for _ in range(n)]
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        os.killpg(p.pid, 9)
+        p.wait()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--formats", nargs="+", default=["fp32", "native+a8"])
+    p.add_argument("--competitors", nargs="+", type=int, default=[1, 3])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--old", type=Path, help="another checkout to measure alternately (A/B)")
+    p.add_argument("--write", action="store_true", help="write benchmarks/contention.<cpu kind>.json")
+    args = p.parse_args()
+    sides = {"new": Side(HERE.parent, args.threads)}
+    if args.old:
+        sides["old"] = Side(args.old.resolve(), args.threads)
+    conditions = [0] + args.competitors
+    got = {(side, fmt, n): [] for side in sides for fmt in args.formats for n in conditions}
+    for r in range(args.rounds):
+        for n in conditions:
+            procs = start_competitors(n)
+            time.sleep(0.3)                                   # let the scheduler settle them in
+            try:
+                for fmt in args.formats:
+                    for side in (sides if r % 2 == 0 else reversed(list(sides))):
+                        got[side, fmt, n].append(sides[side].tok_per_s(fmt, args.seconds))
+            finally:
+                stop(procs)
+        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    rows = []
+    print("| checkout | format | competitors | tok/s (median) | of quiet (median of the rounds' ratios) |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    for side in sides:
+        for fmt in args.formats:
+            quiet = np.array(got[side, fmt, 0])
+            for n in conditions:
+                tps = np.array(got[side, fmt, n])
+                ratio = float(np.median(tps / quiet))
+                rows.append(dict(checkout=side, format=fmt, competitors=n, tok_s=float(np.median(tps)),
+                                 of_quiet=ratio, runs=tps.tolist()))
+                print(f"| {side} | {fmt} | {n} | {np.median(tps):.1f} | {ratio:.2f} |")
+    if args.write:
+        sys.path.insert(0, str(HERE))
+        from report import write_json
+        write_json("contention", dict(threads=args.threads, seconds=args.seconds, rounds=args.rounds,
+                                      results=[r for r in rows if r["checkout"] == "new"]),
+                   command="python benchmarks/contention.py " + " ".join(sys.argv[1:]))
+    for side in sides.values():
+        side.proc.stdin.close()
+        side.proc.wait()
+
+
+if __name__ == "__main__":
+    main()
