@@ -158,4 +158,5 @@ def test_native_q4_k_kernel_matches_its_numpy_twin():
         expected = NumpyOps.linear(x, w, int8_inputs=True)                        # [rows, 40]
         np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
         linear_q4_a8(kernel_weight(w), x, bridge, intdot.USE_INT_DOTS)            # the Q4_1 arrays it equals
-        np.testing.assert_array_equal(out, bridge)
+        # the same products and sums; fastmath may order a float sum differently in each compile (seen: 1 ulp)
+        np.testing.assert_allclose(out, bridge, rtol=1e-6, atol=1e-6 * np.abs(bridge).max())

@@ -6,7 +6,8 @@ Per block b of 32 the product is an integer dot product scaled twice, as for Q4_
 block's scale and minimum are made from their 6-bit integers on the way:
     sum_j W[o, j] xq[j] xs[b] = xs[b] (d[b // 8] scales[b] sum_j q[j] xq[j] - dmin[b // 8] mins[b] sum_j xq[j])
 so each task expands its rows' scales into a scratch of Q4_1's form and runs Q4_1's task on them: the same numbers
-as the Q4_1 arrays a Q4KBlock equals (bit for bit), from 0.6 bytes a weight instead of 0.75.
+as the Q4_1 arrays a Q4KBlock equals (to the last bit or so: fastmath may order a sum differently in each compile),
+from 0.6 bytes a weight instead of 0.75.
 Not wired into dispatch.py or the fused block yet: a model still runs a Q4KBlock as those Q4_1 arrays
 (weight_formats.kernel_weight), which is faster today: expanding the scales costs about as much per block as the
 vector dot itself (4096 x 4096, one row, one thread: 0.71 ms here, 0.46 ms on the Q4_1 arrays). The fast design is
