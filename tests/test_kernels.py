@@ -517,21 +517,37 @@ assert "linear_rows" in compiled and "linear_tiled" not in compiled, compiled   
 """
 
 
-def test_a_slow_warm_up_says_it_is_compiling(capsys):
-    """The first-run notice: a warm-up that takes longer than `after` says so on stderr, then how long it took; a
-    quick one (kernels loaded from the cache) prints nothing."""
+def test_a_slow_warm_up_says_it_is_compiling_and_for_what(capsys, monkeypatch):
+    """The compile notice: a warm-up that takes longer than `after` says on stderr what it compiles for, and whether
+    this is a fresh install's first run (nothing cached) or the first run with a format not used before, then how
+    long it took; a quick one (kernels loaded from the cache) prints nothing."""
+    import importlib
     import time
 
-    from tinyllm.kernels.warmup import compile_notice
-    with compile_notice(time.perf_counter(), after=0.05):
-        time.sleep(0.3)
-    err = capsys.readouterr().err.splitlines()
-    assert err[0].startswith("tinyllm: compiling the Numba kernels")
-    assert err[1].startswith("tinyllm: kernels compiled in")
+    warmup = importlib.import_module("tinyllm.kernels.warmup")
+    for fresh, why in ((True, "a fresh install's first run"), (False, "the first run with these")):
+        monkeypatch.setattr(warmup, "nothing_cached", lambda: fresh)
+        with warmup.compile_notice(time.perf_counter(), "q4_1 weights with int8 activations", after=0.05):
+            time.sleep(0.3)
+        err = capsys.readouterr().err.splitlines()
+        assert err[0] == (f"tinyllm: compiling the Numba kernels for q4_1 weights with int8 activations ({why}; "
+                          "they are cached on disk) ...")
+        assert err[1].startswith("tinyllm: kernels compiled in")
+    compile_notice = warmup.compile_notice
     with compile_notice(time.perf_counter(), after=0.5):
         pass
     time.sleep(0.6)                                         # (past the timer: it was cancelled)
     assert capsys.readouterr().err == ""
+
+
+def test_nothing_cached_is_true_for_an_empty_cache_folder(tmp_path):
+    import os
+    import subprocess
+    import sys
+    code = "import importlib; print(importlib.import_module('tinyllm.kernels.warmup').nothing_cached())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))).stdout
+    assert out.strip() == "True"
 
 
 HELPER_CHECK = """

@@ -30,7 +30,7 @@ from .kv_formats import kernel_operands
 from .kv_rows import row_shape, row_shape_of
 from .linear_kernels import TILE_MIN_ROWS
 from .panel_kernels import PANEL_MIN_ROWS
-from .pointwise import apply_rope, rmsnorm
+from .pointwise import apply_rope, rmsnorm, rmsnorm_into
 from .spin_barrier import new_state
 from .weight_formats import kernel_weight
 
@@ -140,7 +140,9 @@ def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False
     heads = tuple(heads)
     blocks = [(fmt, int8_inputs_of[fmt], kv_dtype, heads) for fmt in matrices
               if fused and FUSED_ROWS and ("block", fmt, int8_inputs_of[fmt], kv_dtype, heads) not in _done]
-    with compile_notice(t0):
+    names = sorted({fmt or "fp32" for fmt in matrices | head_formats})
+    what = " and ".join(names) + " weights" + (" with int8 activations" if any(int8_inputs_of.values()) else "")
+    with compile_notice(t0, what):
         helper = _blocks_in_a_second_process(blocks, "plain")
         if helper is not None:      # meanwhile, what the blocks do not contain (they hold the rest, compiled there)
             _warm_attention(kv_dtype, heads, ("prefill",))
@@ -252,7 +254,7 @@ def warmup_paged(kv_dtype: str = "float32", heads: tuple = (64, 1)) -> float:
     if ("paged", kv_dtype, heads) in _done and not one_row_only:
         return 0.0
     t0 = time.perf_counter()
-    with compile_notice(t0):
+    with compile_notice(t0, f"batches (paged attention over {kv_dtype} blocks)"):
         H, KVH, Dh = _dummy_heads(heads, kv_dtype)
         blocks = kv_storage((2, 2, KVH, Dh), kv_dtype)              # [NB, BS, KVH, Dh]
         blocks[:] = np.ones((2, 2, KVH, Dh), np.float32)
@@ -265,15 +267,26 @@ def warmup_paged(kv_dtype: str = "float32", heads: tuple = (64, 1)) -> float:
     return time.perf_counter() - t0
 
 
+def nothing_cached() -> bool:
+    """Whether Numba's disk cache holds no kernel of this tinyllm at all (a fresh install, or one just upgraded):
+    rmsnorm is in every model's warm-up."""
+    try:
+        return not rmsnorm_into._cache._cache_file._load_index()   # (Numba's index of the kernel's cached versions)
+    except (AttributeError, OSError):
+        return False
+
+
 @contextmanager
-def compile_notice(t0: float, after: float = NOTICE_AFTER_S):
-    """Say on stderr that kernels are being compiled when loading them takes longer than `after` seconds (a first
-    run: the cache is empty or stale), and how long it took at the end. A warm start prints nothing."""
+def compile_notice(t0: float, what: str = "this model", after: float = NOTICE_AFTER_S):
+    """Say on stderr that kernels are being compiled, and for what, when loading them takes longer than `after`
+    seconds (the cache lacks them: a fresh install, or weights of a format this install has not run before), and
+    how long it took at the end. A warm start prints nothing."""
     shown = threading.Event()
+    why = "a fresh install's first run" if nothing_cached() else "the first run with these"
 
     def notice():
         shown.set()
-        print("tinyllm: compiling the Numba kernels for this model (first run only; they are cached on disk) ...",
+        print(f"tinyllm: compiling the Numba kernels for {what} ({why}; they are cached on disk) ...",
               file=sys.stderr, flush=True)
     timer = threading.Timer(after, notice)
     timer.daemon = True
