@@ -320,15 +320,20 @@ def test_page_loads_with_every_section(page):
     page.wait_for_function("document.querySelectorAll('#pool .block').length === 64")
 
 
-@pytest.mark.slow
-def test_greedy_generation_shows_generate_text_and_a_token_attention_row(page, tiny):
-    prompt = "hello there"
+def generate_in_page(page, prompt: str, max_tokens: int) -> None:
+    """A greedy plain completion from the page's Generate view, waited for."""
     page.check("input[name=mode][value=completion]")
     page.fill("#prompt", prompt)
-    page.fill("#max-tokens", "12")
+    page.fill("#max-tokens", str(max_tokens))
     page.fill("#temperature", "0")
     page.click("#go")
     page.wait_for_selector("#gen-text[data-done=true]", timeout=20_000)
+
+
+@pytest.mark.slow
+def test_greedy_generation_shows_generate_text_and_a_token_attention_row(page, tiny):
+    prompt = "hello there"
+    generate_in_page(page, prompt, 12)
     ref = tinyllm.generate(tiny, prompt, max_new_tokens=12)
     assert page.text_content("#gen-text") == ref.text
     boxes = page.locator("#tokens .tok")
@@ -509,12 +514,7 @@ def test_attention_views_label_both_axes_and_the_toggles_change_them(page, tiny)
     scripts/attention.py's view() does; the lines view draws a line per attended key; the sink and lens lines quote
     this trace's own numbers."""
     prompt = "hello there"
-    page.check("input[name=mode][value=completion]")
-    page.fill("#prompt", prompt)
-    page.fill("#max-tokens", "12")
-    page.fill("#temperature", "0")
-    page.click("#go")
-    page.wait_for_selector("#gen-text[data-done=true]", timeout=20_000)
+    generate_in_page(page, prompt, 12)
     page.locator("#tokens .tok").nth(3).click()
     page.wait_for_selector("#att-big svg.heatmap", timeout=20_000)
     ref = tinyllm.generate(tiny, prompt, max_new_tokens=12, trace=True)

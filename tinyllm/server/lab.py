@@ -6,7 +6,8 @@ generate, and to three read-only JSON endpoints defined here:
     GET  /lab/api/engine       the KV block pool (owner of every block, shared and free ones), the running and
                                waiting queues, and the slot timeline of the last steps (continuous batching)
     POST /lab/api/inspect      one generated token of a finished request, from the inside: attention of the
-                               position that chose it, the logit lens per layer, and the sampling stages
+                               position that chose it and the layer's [S, S] maps up to it, the residual norms
+                               (the sink), the logit lens per layer, and the sampling stages
     POST /lab/api/capacity     the serving arithmetic of tinyllm/capacity.py for the calculator form, with a
                                verdict: does the batch fit in memory, and by how much it does not
     GET  /lab/api/presets      model shapes and hardware for that form (this machine's from the cached calibration)
