@@ -495,7 +495,7 @@ const PUNCTUATION = /^[\s\p{P}\p{S}]*$/u;
 function renderLensLine(d) {
   const tops = d.lens.map((row) => row.top[0]), L = tops.length;
   const punct = tops.filter((t) => PUNCTUATION.test(t.text));
-  const seen = [...new Set(punct.map((t) => JSON.stringify(t.text)))].slice(0, 4).join(" ");
+  const seen = [...new Set(punct.map((t) => `'${visible(t.text)}'`))].slice(0, 4).join(" ");
   const hit = tops.findIndex((t) => t.id === d.token.id);
   let stays = L;
   while (stays > 0 && tops[stays - 1].id === d.token.id) stays--;
@@ -505,7 +505,7 @@ function renderLensLine(d) {
   const token = JSON.stringify(d.token.text);
   line.textContent = `In ${punct.length} of ${L} layers the lens's top guess is punctuation or a space` +
     `${seen ? ` (${seen})` : ""}: the final norm and head were trained on the last layer's output, so an earlier ` +
-    `residual stream reads as its average direction, and the commonest next token of text is '.', ',' or a space. ` +
+    `residual stream reads as its average direction, and the commonest next token of text is '.', ',' or a space ('\u2423'). ` +
     (hit < 0 ? `${token} is never the top guess: sampling picked it from further down.`
       : `${token} is first on top at layer ${hit} (${pct(tops[hit].prob)})` +
         (stays < L && stays !== hit ? ` and stays there from layer ${stays}.` : "."));
