@@ -91,6 +91,21 @@ def test_inspect_replays_the_request_and_explains_its_token(lab, tiny):
     traced = tinyllm.generate(tiny, prompt, max_new_tokens=10, ignore_eos=True, trace=True).trace
     d = lab.post("/lab/api/inspect", {"request_id": rid, "token": 4, "layer": 0}).json()
     assert d["attention"]["heads"][2] == pytest.approx(traced.attention(0)[2, P + 3, :P + 4].tolist(), abs=1e-6)
+    # the heatmaps: every position's row up to this one, to 5 significant digits; the residual norms (the sink)
+    m = d["attention"]["matrix"]
+    assert m["start"] == 0 and np.array(m["heads"]) == pytest.approx(traced.attention(0)[:, :P + 4, :P + 4],
+                                                                      rel=1e-4, abs=1e-12)
+    assert d["residual_norms"] == pytest.approx(traced.residual_norms(0)[:P + 4, 2].tolist(), rel=1e-6)
+
+
+def test_inspect_heatmaps_keep_the_last_positions_of_a_long_request(lab, monkeypatch):
+    body = lab.post("/v1/completions", {"prompt": "hello world", "max_tokens": 6, "temperature": 0,
+                                        "ignore_eos": True}).json()
+    monkeypatch.setattr(lab_module, "MATRIX_POSITIONS", 4)           # the JSON grows as positions squared
+    d = lab.post("/lab/api/inspect", {"request_id": body["id"].removeprefix("cmpl-"), "token": 5}).json()
+    m = d["attention"]["matrix"]
+    assert m["start"] == d["position"] - 3 and np.array(m["heads"]).shape == (len(d["attention"]["heads"]), 4, 4)
+    assert [row[-1] for row in m["heads"][0][-1:]] == pytest.approx([d["attention"]["heads"][0][-1]], rel=1e-4)
 
 
 def test_inspect_replays_with_the_served_kv_format(tiny):
