@@ -82,6 +82,10 @@ def convert(hf_dir: Path, out: Path, outtype: str = "f32", pre_tokenizer: str | 
         self.hparams.setdefault("rotary_pct", rope.get("partial_rotary_factor", 1.0))
         set_parameters(self)
     GPTNeoXModel.set_gguf_parameters = neox_parameters
+    import conversion                   # transformers names its MPT class MptForCausalLM, MosaicML's own code (which
+    from conversion.mpt import MPTModel   # the converter knows) MPTForCausalLM: the same checkpoint layout
+    conversion.TEXT_MODEL_MAP["MptForCausalLM"] = "mpt"
+    base.ModelBase.register("MptForCausalLM")(MPTModel)
     sys.argv = [str(root / "convert_hf_to_gguf.py"), str(hf_dir), "--outfile", str(out), "--outtype", outtype]
     runpy.run_path(sys.argv[0], run_name="__main__")
 
