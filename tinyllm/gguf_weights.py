@@ -31,7 +31,7 @@ _OPTIONAL_NAMES = {  # present only in some families (the config says which: che
     "blk.{i}.attn_v.bias": "layers.{i}.bv", "blk.{i}.attn_output.bias": "layers.{i}.bo",
     "blk.{i}.attn_q_norm.weight": "layers.{i}.q_norm", "blk.{i}.attn_k_norm.weight": "layers.{i}.k_norm",
     "rope_freqs.weight": "rope_freqs", "blk.{i}.attn_qkv.bias": "layers.{i}.bqkv",
-    "blk.{i}.attn_norm_2.weight": "layers.{i}.ffn_norm", "blk.{i}.attn_norm_2.bias": "layers.{i}.ffn_norm_b",
+    "blk.{i}.attn_norm_2.weight": "layers.{i}.attn_norm_2", "blk.{i}.attn_norm_2.bias": "layers.{i}.attn_norm_2_b",
 }
 # GGUF architecture -> does llama.cpp's converter permute its q/k rows for adjacent-pair RoPE? (llama and granite
 # rotate adjacent pairs, "normal" RoPE; qwen2 and qwen3 rotate half-split pairs, "neox" RoPE, as HF does)
@@ -64,7 +64,7 @@ def tensor_names(config: ModelConfig) -> dict[str, str]:
         for part in "qkv":
             del names[f"blk.{{i}}.attn_{part}.weight"]
         names["blk.{i}.attn_qkv.weight"] = "layers.{i}.wqkv"
-    if config.family == "falcon":               # the MLP's norm: attn_norm_2 (falcon-40b), else attn_norm's (load)
+    if config.family == "falcon":               # the MLP's norm is attn_norm (load_gguf)
         del names["blk.{i}.ffn_norm.weight"]
         names.pop("blk.{i}.ffn_norm.bias")
     if config.arch == "gpt2":
@@ -85,10 +85,6 @@ def gguf_config(gg: GGUFFile) -> ModelConfig:
     if arch == "mpt" and not md.get("mpt.attention.max_alibi_bias"):
         raise CheckpointError(f"{gg.path}: MPT with learned positions (max_alibi_bias 0) is not supported; ALiBi "
                               f"MPT is")
-    if arch == "falcon" and "blk.0.ffn_norm.weight" in gg.tensors:
-        raise CheckpointError(f"{gg.path}: a falcon GGUF with a norm between attention and the MLP (falcon-rw, "
-                              f"ALiBi) is not supported (llama.cpp runs falcon with RoPE only); load its Hugging Face "
-                              f"folder")
 
     def get(key, kind=int, default=None):
         value = md.get(f"{arch}.{key}", default)
@@ -208,9 +204,11 @@ def load_gguf(path: str | Path, quant: str | None = None) -> tuple[ModelConfig, 
                 raise CheckpointError(f"{gg.path}: tensor {name!r}: {e}") from None
     for i in range(config.n_layers) if "blk.{i}.attn_qkv.weight" in names else ():
         split_qkv(weights, config, i)
-    for i in range(config.n_layers) if config.family == "falcon" else ():   # one norm before both: falcon-7b
-        for suffix in ("", "_b"):
-            weights.setdefault(f"layers.{i}.ffn_norm{suffix}", weights[f"layers.{i}.attn_norm{suffix}"])
+    for i in range(config.n_layers) if config.family == "falcon" else ():
+        # llama.cpp's falcon: attn_norm feeds the MLP, and attention too unless there is an attn_norm_2 (falcon-40b)
+        for p in (f"layers.{i}.attn_norm", f"layers.{i}.attn_norm_b"):
+            weights[p.replace("attn_norm", "ffn_norm")] = weights[p]
+            weights[p] = weights.pop(p.replace("attn_norm", "attn_norm_2"), weights[p])
     weights |= position_weights(gg, config)
     check_shapes(config, weights, str(gg.path))      # first: the un-permutation needs the shapes it expects
     for i in range(config.n_layers) if GGUF_ARCHITECTURES[gg.metadata["general.architecture"]] else ():
