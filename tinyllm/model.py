@@ -206,7 +206,7 @@ class Transformer:
             row += T
         positions = np.concatenate([np.arange(s.start, s.start + s.n_tokens) for s in segments])   # [N]
         ops = self.compute.ops_for(row)                             # the functions a pass of this many rows runs
-        if self.alibi_slopes is not None:
+        if self.alibi_slopes is not None:                           # ALiBi: attention with its bias, in numpy
             ops = AlibiOps(ops, self.alibi_slopes)
         if trace is not None:
             if len(segments) != 1:
