@@ -26,64 +26,19 @@ os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "1")   # before numpy loads Ope
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import tinyllm  # noqa: E402
-import numba  # noqa: E402
 import numpy as np  # noqa: E402
 
 from report import machine_info, machine_line, render, write_json  # noqa: E402
 from tinyllm import capacity  # noqa: E402
+# the roofs are measured by tinyllm/roofs.py (also for the lab); other benchmarks import them from here
+from tinyllm.roofs import median_time, read_bandwidth, row_sums, sgemm_gflops  # noqa: E402,F401
 
 HERE = Path(__file__).resolve().parent
 FORMATS = ["fp32", "int8", "int8-block", "q4_1", "int8+a8", "q4_1+a8"]   # +a8: int8 activations too (quant.py)
 BEGIN, END = "<!-- roofline:begin -->", "<!-- roofline:end -->"
 
 
-# --- the machine ---------------------------------------------------------------------------------------------
-def median_time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
-
-
-@numba.njit(parallel=True, fastmath=True)
-def row_sums(a, out):
-    """The streaming read: each row of a [rows, 1024] float32 array summed into out, the rows split between the
-    threads (step_timeline.py reads a step's bytes with it too)."""
-    for r in numba.prange(a.shape[0]):
-        s = np.float32(0.0)
-        for j in range(a.shape[1]):
-            s += a[r, j]
-        out[r] = s
-
-
-def read_bandwidth(threads: int, repeats: int = 9, mib: int = 1024) -> float:
-    """GB/s of a streaming read: Numba sums each 4 KiB row of a `mib` MiB float32 array (1 GiB: far larger than
-    any cache), rows split across threads.
-    The best of `repeats` runs: a roof is what the machine can do, and on a shared machine the median is
-    pulled down by whoever else is running."""
-    a = np.ones((mib * 256, 1024), dtype=np.float32)                # [rows, 1024]: mib MiB
-    out = np.empty(a.shape[0], dtype=np.float32)
-    numba.set_num_threads(threads)
-    row_sums(a, out)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        row_sums(a, out)
-        times.append(time.perf_counter() - t0)
-    return a.nbytes / min(times) / 1e9
-
-
-def sgemm_gflops(m: int, k: int, n: int, repeats: int = 5) -> float:
-    rng = np.random.default_rng(0)
-    a = rng.standard_normal((m, k), dtype=np.float32)
-    b = rng.standard_normal((n, k), dtype=np.float32)
-    return 2 * m * k * n / median_time(lambda: a @ b.T, repeats) / 1e9
-
-
-# --- model accounting: tinyllm/capacity.py counts the bytes and FLOPs ---------------------------------------
+# --- the bytes and FLOPs of a pass ---------------------------------------------------------------------------
 def decode_bytes(model, S: int, batch: int = 1) -> int:
     """Bytes one decode step reads at context S: every weight once, each sequence's S + 1 cached K/V."""
     return capacity.decode_step_bytes(weight_bytes=model.weight_bytes, batch=batch, context=S + 1,

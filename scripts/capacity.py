@@ -10,6 +10,7 @@ spend, and static vs continuous batching (tinyllm/capacity.py), plus a calibrati
     python scripts/capacity.py batching --slots 4 --requests 10 4 6 24 14 20 18
     python scripts/capacity.py kv --preset smollm2          # this project's model, from its GGUF's metadata
     python scripts/capacity.py --calibrate                  # measure this machine; predicted vs measured steps
+    python scripts/capacity.py --calibrate --roofs-only     # just the bandwidth and sgemm peak (cached for the lab)
 
 Shapes: --preset 7b / 70b (illustrative fp16 shapes), smollm2 (the default model), or --model PATH (a .gguf or
 Hugging Face directory: only its config is read), each field overridable by a flag (--layers, --kv-heads, ...).
@@ -235,15 +236,20 @@ def cmd_calibrate(args) -> None:
     import numpy as np
     import tinyllm
     import roofline                                               # the measuring helpers of the roofline report
+    from tinyllm.roofs import measure_roofs, save_calibration     # here: they import Numba, the calculators do not
 
     try:
         tinyllm.set_threads(args.threads)
-        bandwidth = roofline.read_bandwidth(args.threads, repeats=args.repeats, mib=args.bandwidth_mib) * 1e9
+        roofs = measure_roofs(args.threads, repeats=args.repeats, mib=args.bandwidth_mib,
+                              source="scripts/capacity.py --calibrate")
     except ValueError as e:                                       # more threads than cores or NUMBA_NUM_THREADS
         fail(f"--threads {args.threads}: {e}")
-    peak = roofline.sgemm_gflops(2048, 2048, 2048, repeats=args.repeats) * 1e9
+    bandwidth, peak = roofs.bandwidth, roofs.peak_flops
     print(f"this machine, {args.threads} thread(s): read bandwidth {bandwidth / 1e9:.1f} GB/s, sgemm 2048^3 "
           f"{peak / 1e9:.0f} GFLOP/s (ridge {peak / bandwidth:.1f} FLOP/byte)")
+    print(f"saved to {save_calibration(roofs)} (the lab's 'this server' preset predicts with it)")
+    if args.roofs_only:
+        return
     rng = np.random.default_rng(0)
     for fmt in args.formats:
         quant, _, a8 = fmt.partition("+")
@@ -360,6 +366,8 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=positive_int, default=5, help="repeats of the roofs and of each prefill")
     p.add_argument("--bandwidth-mib", type=positive_int, default=1024, help="size of the bandwidth test array")
     p.add_argument("--threads", type=positive_int, default=min(2, os.cpu_count() or 1))
+    p.add_argument("--roofs-only", action="store_true", help="measure and cache the bandwidth and sgemm peak only "
+                                                             "(seconds), not the model's steps (minutes)")
     args = parser.parse_args(argv)
 
     if args.command == "spend":

@@ -73,17 +73,34 @@ def convert(hf_dir: Path, out: Path, outtype: str = "f32", pre_tokenizer: str | 
         def no_sentencepiece(self, *args, **kwargs):       # a tiny test checkpoint has no tokenizer.model
             raise FileNotFoundError("no sentencepiece model")
         base.TextModel._set_vocab_sentencepiece = no_sentencepiece
+    from conversion.falcon import FalconModel
+    from conversion.gpt2 import GPT2Model
     from conversion.gptneox import GPTNeoXModel
 
-    set_parameters = GPTNeoXModel.set_gguf_parameters
-
-    def neox_parameters(self):          # transformers 5 writes rotary_pct into rope_parameters; this converter
-        rope = self.hparams.get("rope_parameters") or {}      # still reads the old key
-        self.hparams.setdefault("rotary_pct", rope.get("partial_rotary_factor", 1.0))
-        set_parameters(self)
-    GPTNeoXModel.set_gguf_parameters = neox_parameters
+    # The converter reads config.json as transformers 5 writes it back (AutoConfig), where some keys it knows moved:
+    fix_hparams(GPTNeoXModel, lambda h: h.setdefault(      # rotary_pct went into rope_parameters
+        "rotary_pct", (h.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)))
+    fix_hparams(GPT2Model, lambda h: h.setdefault("n_ctx", h["n_positions"]))    # n_ctx is gone
+    # FalconConfig fills num_kv_heads with the head count even where multi_query means one KV head (falcon-7b's
+    # config.json has no num_kv_heads): the converter would split query_key_value wrongly
+    fix_hparams(FalconModel, lambda h: h.update(num_kv_heads=1) if h.get("multi_query", True)
+                and not h.get("new_decoder_architecture") else None)
+    import conversion                   # transformers names its MPT class MptForCausalLM, MosaicML's own code (which
+    from conversion.mpt import MPTModel   # the converter knows) MPTForCausalLM: the same checkpoint layout
+    conversion.TEXT_MODEL_MAP["MptForCausalLM"] = "mpt"
+    base.ModelBase.register("MptForCausalLM")(MPTModel)
     sys.argv = [str(root / "convert_hf_to_gguf.py"), str(hf_dir), "--outfile", str(out), "--outtype", outtype]
     runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+def fix_hparams(model_class, fix) -> None:
+    """Run fix(hparams) on the config each instance of one of the converter's model classes reads."""
+    init = model_class.__init__
+
+    def fixed_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        fix(self.hparams)
+    model_class.__init__ = fixed_init
 
 
 def main() -> None:

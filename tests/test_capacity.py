@@ -5,11 +5,13 @@ runs on the real Engine scheduler; scripts/capacity.py and scripts/tokens.py run
 The seed's assumptions: a 7B-parameter model with fp16 weights, 14 GB; a hypothetical accelerator of 200 TFLOP/s
 and 2 TB/s; config A = 32 layers x 32 KV heads x head_dim 128, config B (70B-class, GQA) = 80 x 8 x 128, fp16 KV.
 """
+import dataclasses
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tinyllm import capacity
@@ -108,6 +110,35 @@ def test_concurrent_sequences_on_an_80_gib_device():
     assert fits(A_GQA, 1000, 14 * GiB) == 475            # 8 KV heads: 4x the sequences (nearly)
     assert (fits(A, 1000, 14e9), fits(A_GQA, 1000, 14e9)) == (120, 483)
     assert fits(A, 4096, 80 * GiB) == 0                  # the weights fill the usable memory
+
+
+def test_a_batch_that_does_not_fit_says_by_how_much():
+    """The issue's case: 7B (config A, 14 GB of fp16 weights) at context 4,096 and batch 64 needs the weights plus
+    64 x 2 GiB of KV = 141 GiB on an 80 GiB device of which 90% is usable: 69 GiB too much."""
+    kv = capacity.kv_bytes_per_token(**A)
+    f = capacity.fit(memory_bytes=80 * GiB, usable_fraction=0.9, weight_bytes=WEIGHTS, batch=64, context=4096,
+                     kv_bytes_per_token=kv)
+    needed = WEIGHTS + 64 * 4096 * 2 * 32 * 32 * 128 * 2                  # the weights + K and V of every token
+    assert not f.fits and f.needed == needed and round(needed / GiB) == 141
+    assert f.over == needed - 0.9 * 80 * GiB and round(f.over / GiB, 1) == 69.0
+    assert f.max_batch == 29                                              # the seed's 29 sequences of 4,096
+    assert f.max_context == int((0.9 * 80 * GiB - WEIGHTS) // (64 * kv)) == 1886
+    assert f.verdict() == ("does not fit: needs 141.0 GiB, 69.0 GiB more than the 72.0 GiB usable (80.0 GiB x 0.9); "
+                           "at context 4,096 at most 29 sequences fit, at batch 64 at most 1,886 tokens each")
+    # the largest batch it names fits, one more does not; so does the largest context it names
+    def fit(batch=64, context=4096):
+        return capacity.fit(memory_bytes=80 * GiB, usable_fraction=0.9, weight_bytes=WEIGHTS, batch=batch,
+                            context=context, kv_bytes_per_token=kv)
+    assert fit(batch=29).fits and not fit(batch=30).fits
+    assert fit(context=1886).fits and not fit(context=1887).fits
+    ok = fit(batch=1)
+    assert ok.verdict() == f"fits: needs {ok.needed / GiB:,.1f} GiB of 72.0 GiB usable (80.0 GiB x 0.9), " \
+                           f"{(0.9 * 80 * GiB - ok.needed) / GiB:,.1f} GiB to spare"
+    # 70B's 140 GB of weights alone exceed 72 GiB: nothing fits, whatever the batch
+    big = capacity.fit(memory_bytes=80 * GiB, usable_fraction=0.9, weight_bytes=140e9, batch=1, context=4096,
+                       kv_bytes_per_token=capacity.kv_bytes_per_token(**B))
+    assert not big.fits and big.max_batch == 0 and big.max_context == 0
+    assert big.verdict().startswith("does not fit: the weights alone (130.4 GiB) exceed the 72.0 GiB usable")
 
 
 def test_bad_capacity_inputs_are_refused():
@@ -277,3 +308,31 @@ def test_the_documented_example_is_the_real_output():
     shown = shown[:shown.index("```")]
     r = script("capacity.py", "step", "--preset", "7b")
     assert r.returncode == 0 and r.stdout == shown, r.stdout
+
+
+# --- this machine's roofs, cached -----------------------------------------------------------------------------------
+def test_the_read_kernel_sums_rows_as_numpy_does():
+    from tinyllm.roofs import row_sums
+    a = np.random.default_rng(0).standard_normal((64, 1024)).astype(np.float32)   # [rows, 1024]
+    out = np.empty(64, dtype=np.float32)
+    row_sums(a, out)
+    np.testing.assert_allclose(out, a.sum(axis=1), rtol=1e-4, atol=1e-3)
+
+
+def test_calibration_cache_round_trip_and_refusals(tmp_path, monkeypatch):
+    from tinyllm import roofs
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert roofs.calibration_file() == tmp_path / "tinyllm" / "calibration.json"
+    assert roofs.load_calibration() is None                                       # never measured
+    mine = roofs.MachineRoofs(bandwidth=12.5e9, peak_flops=90e9, memory=8 * GiB, threads=2,
+                              machine=roofs.this_machine(), measured="2026-12-04T07:00:00Z", source="a test")
+    path = roofs.save_calibration(mine)
+    assert path == roofs.calibration_file() and roofs.load_calibration() == mine
+    roofs.save_calibration(dataclasses.replace(mine, machine="another host / x86_64 / 64 cores"))
+    assert roofs.load_calibration() is None                                       # a copied cache is not used
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not a readable calibration.*--calibrate"):
+        roofs.load_calibration()
+    path.write_text(json.dumps({"bandwidth": 1}))
+    with pytest.raises(ValueError, match="not a calibration of this tinyllm"):
+        roofs.load_calibration()

@@ -6,6 +6,7 @@ bandwidth is bytes per second, compute FLOPs per second. `ModelShape` bundles wh
 model: one of the illustrative shapes (`SHAPES`), any tinyllm config (`ModelShape.from_config`) or a loaded
 model (`ModelShape.from_model`). `forward_flops` counts tinyllm's own forward pass exactly (the benchmarks'
 roofline uses it); the seed-level formulas (2 x params per token) are deliberately simpler.
+`fit` says whether a batch fits in memory, and by how much it does not. This machine's own roofs: roofs.py.
 Left out: tensor parallelism, activation memory, and any overhead the roofline does not see (kernel launches,
 Python): `scripts/capacity.py calibrate` measures how far this machine is from the roofline.
 """
@@ -67,6 +68,58 @@ def max_concurrent_sequences(*, memory_bytes: float, usable_fraction: float, wei
         raise ValueError("context and kv_bytes_per_token must be positive")
     free = memory_bytes * usable_fraction - weight_bytes
     return max(0, int(free // (context * kv_bytes_per_token)))
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Does a decode batch fit beside the weights? Bytes are what one step needs resident (and reads)."""
+    needed: float          # the weights + batch x context x KV per token
+    usable: float          # memory x usable fraction
+    memory: float
+    weights: float
+    batch: int
+    context: int
+    max_batch: int         # sequences of `context` tokens that fit (0: not one)
+    max_context: int       # tokens per sequence that fit at `batch` (0: the weights alone take it all)
+
+    @property
+    def fits(self) -> bool:
+        return self.needed <= self.usable
+
+    @property
+    def over(self) -> float:
+        """Bytes beyond the usable memory (negative: room to spare)."""
+        return self.needed - self.usable
+
+    def verdict(self) -> str:
+        """One line: fits with how much to spare, or does not fit, by how much, and what would."""
+        gib = lambda n: f"{n / GiB:,.1f} GiB"                                  # noqa: E731
+        usable = f"{gib(self.usable)} usable ({gib(self.memory)} x {self.usable / self.memory:g})" \
+            if self.memory else "no memory"
+        if self.fits:
+            return f"fits: needs {gib(self.needed)} of {usable}, {gib(-self.over)} to spare"
+        if self.weights >= self.usable:
+            return (f"does not fit: the weights alone ({gib(self.weights)}) exceed the {usable}, "
+                    f"{gib(self.over)} over with the KV cache")
+        return (f"does not fit: needs {gib(self.needed)}, {gib(self.over)} more than the {usable}; at context "
+                f"{self.context:,} at most {self.max_batch:,} sequences fit, at batch {self.batch:,} at most "
+                f"{self.max_context:,} tokens each")
+
+
+def fit(*, memory_bytes: float, usable_fraction: float, weight_bytes: float, batch: int, context: int,
+        kv_bytes_per_token: float) -> Fit:
+    """Whether `batch` sequences of `context` tokens fit beside the weights in the usable share of memory."""
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    usable = memory_bytes * usable_fraction
+    room = max(0.0, usable - weight_bytes)                       # what is left for the KV cache
+    return Fit(needed=decode_step_bytes(weight_bytes=weight_bytes, batch=batch, context=context,
+                                        kv_bytes_per_token=kv_bytes_per_token),
+               usable=usable, memory=memory_bytes, weights=weight_bytes, batch=batch, context=context,
+               max_batch=max_concurrent_sequences(memory_bytes=memory_bytes, usable_fraction=usable_fraction,
+                                                  weight_bytes=weight_bytes, context=context,
+                                                  kv_bytes_per_token=kv_bytes_per_token),
+               max_context=int(room // (batch * kv_bytes_per_token)))
 
 
 # --- FLOPs, bytes and the roofline ----------------------------------------------------------------------------

@@ -5,9 +5,10 @@ and errors that name the file.
     layers.{i}.attn_norm [D]  wq [H*Dh, D]  wk, wv [KVH*Dh, D]  wo [D, H*Dh]  ffn_norm [D]
     llama: layers.{i}.w_gate, w_up [F, D]  w_down [D, F]  (qwen2: + bq bk bv; qwen3: + q_norm k_norm [Dh];
            olmo2: q_norm [H*Dh] k_norm [KVH*Dh], attn_post_norm ffn_post_norm [D] instead of attn_norm ffn_norm)
-           rope_freqs [Dh/2] (Llama 3.x: RoPE frequency divisors)
+           rope_freqs [Dh/2] (Llama 3.x, linear scaling: RoPE frequency divisors)
     gpt2:  layers.{i}.w_fc [F, D]  w_proj [D, F]  and biases bq bk bv bo b_fc b_proj attn_norm_b ffn_norm_b
-           (starcoder2, gpt-neox: w_fc / w_proj and the same biases, with RoPE)
+           (starcoder2, gpt-neox, falcon: w_fc / w_proj and, where the config says, the same biases, with RoPE)
+    alibi: as gpt2 without pos_embed (MPT: no biases at all), and alibi_slopes [H]: each head's ALiBi slope
 Left out: reading the files (gguf_weights.py, hf_weights.py) and what a load does after (weights.py).
 """
 from __future__ import annotations
@@ -67,6 +68,8 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["lm_head"] = (V, D)
     if c.arch == "gpt2":
         shapes["pos_embed"] = (c.context_length, D)
+    if c.arch == "alibi":
+        shapes["alibi_slopes"] = (c.n_heads,)
     if c.norm == "layer":
         shapes["final_norm_b"] = (D,)
     for i in range(c.n_layers):
@@ -86,7 +89,9 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
         if c.mlp == "swiglu":
             shapes.update({p + "w_gate": (F, D), p + "w_up": (F, D), p + "w_down": (D, F)})
         else:
-            shapes.update({p + "w_fc": (F, D), p + "b_fc": (F,), p + "w_proj": (D, F), p + "b_proj": (D,)})
+            shapes.update({p + "w_fc": (F, D), p + "w_proj": (D, F)})
+            if c.mlp_bias:
+                shapes.update({p + "b_fc": (F,), p + "b_proj": (D,)})
         if c.norm == "layer":
             shapes.update({p + "attn_norm_b": (D,), p + "ffn_norm_b": (D,)})
     return shapes
@@ -95,7 +100,7 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
 def check_shapes(config: ModelConfig, weights: dict[str, np.ndarray], source: str) -> None:
     shapes = expected_shapes(config)
     if "rope_freqs" in weights:
-        shapes["rope_freqs"] = (config.head_dim // 2,)
+        shapes["rope_freqs"] = (config.rope_dim // 2,)
     for name, shape in shapes.items():
         if name not in weights:
             raise CheckpointError(f"{source}: weight {name!r} is missing")

@@ -14,18 +14,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ARCHITECTURES = ("llama", "gpt2")
+ARCHITECTURES = ("llama", "gpt2", "alibi")     # how positions enter: RoPE, learned embeddings, ALiBi's bias
 # checkpoint families that run as RoPE blocks (arch "llama"), each difference a config field: qwen2 qkv_bias, qwen3
 # qk_norm, granite embed_scale / logit_scale (and scales folded into weights at load: checkpoint.fold_scales),
 # starcoder2 norm / mlp / biases, gpt_neox also rotary_dim and parallel_residual, olmo2 post_norm and qk_norm "all"
 LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "granite", "starcoder2", "gpt_neox", "olmo2")
-NORMS, MLPS = ("rms", "layer"), ("swiglu", "gelu_tanh", "gelu")
+# every Hugging Face model_type tinyllm runs: falcon is RoPE (or, falcon-rw, ALiBi), mpt ALiBi, gpt2 learned positions
+FAMILIES = LLAMA_FAMILIES + ("falcon", "mpt", "gpt2")
+NORMS, MLPS = ("rms", "layer", "layer_nobias"), ("swiglu", "gelu_tanh", "gelu")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str                 # "llama" (RoPE; by default RMSNorm, SwiGLU) or "gpt2" (learned positions; by default
-                              # LayerNorm, GELU); the families below are RoPE blocks with the fields that follow
+    arch: str                 # how positions enter: "llama" (RoPE; by default RMSNorm, SwiGLU), "gpt2" (learned
+                              # positions; by default LayerNorm, GELU) or "alibi" (a per-head bias on the attention
+                              # scores, slopes in the weights: MPT, Falcon-RW; LayerNorm, exact GELU by default)
     vocab_size: int           # V
     dim: int                  # D
     n_layers: int             # L
@@ -44,9 +47,12 @@ class ModelConfig:
     explicit_head_dim: int | None = None  # when Dh != D / H (some llama variants say so in config.json)
     embed_scale: float = 1.0      # the token embeddings are multiplied by this (granite)
     logit_scale: float = 1.0      # the logits are divided by this (granite)
-    norm: str = ""                # "rms" (llama's default) or "layer" (LayerNorm with a bias: gpt2's default)
+    norm: str = ""                # "rms" (llama's default), "layer" (LayerNorm with a bias: gpt2's default) or
+                                  # "layer_nobias" (LayerNorm without one: MPT)
     mlp: str = ""                 # "swiglu" (llama's default: gate and up) or "gelu_tanh" (gpt2's) / "gelu" (exact,
-                                  # erf): one matrix in and one out, with biases
+                                  # erf): one matrix in and one out
+    mlp_bias: bool | None = None  # those two carry biases (None: the default, yes for a GELU MLP; falcon-7b, MPT: no)
+    clip_qkv: float = 0.0         # q, k and v clamped to [-clip_qkv, clip_qkv] (MPT's clip_qkv; 0: not clamped)
     rotary_dim: int | None = None  # RoPE turns only the first rotary_dim of each head's Dh dims (gpt-neox); None: all
     parallel_residual: bool = False   # x + attn(norm1(x)) + mlp(norm2(x)) (gpt-neox), not one after the other
     family: str = ""              # the checkpoint's own name of its architecture ("qwen2", "mistral", ...)
@@ -57,7 +63,10 @@ class ModelConfig:
             raise ValueError(f"unsupported architecture {self.arch!r}; tinyllm runs {', '.join(ARCHITECTURES)}")
         llama = self.arch == "llama"         # the block's defaults: what a config that says nothing more means
         object.__setattr__(self, "norm", self.norm or ("rms" if llama else "layer"))
-        object.__setattr__(self, "mlp", self.mlp or ("swiglu" if llama else "gelu_tanh"))
+        object.__setattr__(self, "mlp", self.mlp or ("swiglu" if llama else "gelu" if self.arch == "alibi" else
+                                                     "gelu_tanh"))
+        if self.mlp_bias is None:
+            object.__setattr__(self, "mlp_bias", self.mlp != "swiglu")
         if self.qk_norm not in ("", "head", "all"):
             raise ValueError(f"qk_norm must be '', 'head' or 'all', got {self.qk_norm!r}")
         if self.norm not in NORMS or self.mlp not in MLPS:
@@ -111,9 +120,9 @@ class ModelConfig:
             attn += self.q_dim + 2 * self.kv_dim + (D if self.attn_bias else 0)
         if self.qk_norm:
             attn += 2 * self.head_dim if self.qk_norm == "head" else self.q_dim + self.kv_dim
-        mlp = 3 * D * F if self.mlp == "swiglu" else 2 * D * F + F + D
-        norms = 2 * D if self.norm == "rms" else 4 * D                    # a block's two (with biases)
-        extra = D if self.norm == "rms" else 2 * D                        # the final norm
+        mlp = 3 * D * F if self.mlp == "swiglu" else 2 * D * F + (F + D if self.mlp_bias else 0)
+        norms = 4 * D if self.norm == "layer" else 2 * D                  # a block's two (with biases)
+        extra = 2 * D if self.norm == "layer" else D                      # the final norm
         if self.arch == "gpt2":
             extra += self.context_length * D                              # learned positions
         head = 0 if self.tie_embeddings else self.vocab_size * D

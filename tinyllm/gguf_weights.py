@@ -2,8 +2,8 @@
 
 The file is read by gguf.py; here its metadata becomes the config, its tensor names the canonical ones
 (checkpoint.py), and the converter's permutation of the q and k rows is undone where it made one. Architectures:
-the llama-block families of GGUF_ARCHITECTURES. Left out: the others (refused with a message; GPT-2 loads from a
-Hugging Face directory).
+those of GGUF_ARCHITECTURES (RoPE blocks; MPT's ALiBi; GPT-2's learned positions). Left out: the others (refused
+with a message naming these).
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import numpy as np
 from .checkpoint import CheckpointError, check_shapes, config_number, fold_scales, model_config, name_from_file
 from .config import ModelConfig
 from .gguf import GGUFError, GGUFFile
+from .ops import alibi_slopes
 from .quant import QuantizedWeight, from_gguf_block
 from .tokenizer import Tokenizer
 
@@ -29,14 +30,19 @@ _OPTIONAL_NAMES = {  # present only in some families (the config says which: che
     "blk.{i}.attn_q.bias": "layers.{i}.bq", "blk.{i}.attn_k.bias": "layers.{i}.bk",
     "blk.{i}.attn_v.bias": "layers.{i}.bv", "blk.{i}.attn_output.bias": "layers.{i}.bo",
     "blk.{i}.attn_q_norm.weight": "layers.{i}.q_norm", "blk.{i}.attn_k_norm.weight": "layers.{i}.k_norm",
-    "rope_freqs.weight": "rope_freqs",
+    "rope_freqs.weight": "rope_freqs", "blk.{i}.attn_qkv.bias": "layers.{i}.bqkv",
+    "blk.{i}.attn_norm_2.weight": "layers.{i}.attn_norm_2", "blk.{i}.attn_norm_2.bias": "layers.{i}.attn_norm_2_b",
 }
 # GGUF architecture -> does llama.cpp's converter permute its q/k rows for adjacent-pair RoPE? (llama and granite
 # rotate adjacent pairs, "normal" RoPE; qwen2 and qwen3 rotate half-split pairs, "neox" RoPE, as HF does)
 GGUF_ARCHITECTURES = {"llama": True, "granite": True, "qwen2": False, "qwen3": False, "starcoder2": False,
-                      "gptneox": False, "olmo2": False}
+                      "gptneox": False, "olmo2": False, "falcon": False, "mpt": False, "gpt2": False}
 FAMILY_NAMES = {"gptneox": "gpt_neox"}      # where llama.cpp's name of an architecture is not Hugging Face's
-LAYER_NORM_ARCHITECTURES = ("starcoder2", "gptneox")   # LayerNorm with biases, an MLP of one matrix in and one out
+# LayerNorm (MPT's without biases), an MLP of one matrix in and one out: exact GELU, or (the others) tanh's
+LAYER_NORM_ARCHITECTURES = ("starcoder2", "gptneox", "falcon", "mpt", "gpt2")
+EXACT_GELU_ARCHITECTURES = ("gptneox", "falcon", "mpt")    # (llama.cpp runs its tanh approximation for all)
+POSITIONS = {"gpt2": "gpt2", "mpt": "alibi"}                # how positions enter where it is not RoPE (config.arch)
+FUSED_QKV = ("gpt_neox", "falcon", "mpt", "gpt2")           # families whose q, k, v rows are one tensor, [q | k | v]
 
 
 def tensor_names(config: ModelConfig) -> dict[str, str]:
@@ -44,8 +50,9 @@ def tensor_names(config: ModelConfig) -> dict[str, str]:
     names = dict(_GGUF_NAMES)
     if config.mlp != "swiglu":                  # one matrix in (ffn_up) and one out (ffn_down), with biases
         del names["blk.{i}.ffn_gate.weight"]
-        names |= {"blk.{i}.ffn_up.weight": "layers.{i}.w_fc", "blk.{i}.ffn_up.bias": "layers.{i}.b_fc",
-                  "blk.{i}.ffn_down.weight": "layers.{i}.w_proj", "blk.{i}.ffn_down.bias": "layers.{i}.b_proj"}
+        names |= {"blk.{i}.ffn_up.weight": "layers.{i}.w_fc", "blk.{i}.ffn_down.weight": "layers.{i}.w_proj"}
+        if config.mlp_bias:
+            names |= {"blk.{i}.ffn_up.bias": "layers.{i}.b_fc", "blk.{i}.ffn_down.bias": "layers.{i}.b_proj"}
     if config.norm == "layer":
         names |= {"blk.{i}.attn_norm.bias": "layers.{i}.attn_norm_b", "blk.{i}.ffn_norm.bias": "layers.{i}.ffn_norm_b",
                   "output_norm.bias": "final_norm_b"}
@@ -53,10 +60,15 @@ def tensor_names(config: ModelConfig) -> dict[str, str]:
         del names["blk.{i}.attn_norm.weight"], names["blk.{i}.ffn_norm.weight"]
         names |= {"blk.{i}.post_attention_norm.weight": "layers.{i}.attn_post_norm",
                   "blk.{i}.post_ffw_norm.weight": "layers.{i}.ffn_post_norm"}
-    if config.family == "gpt_neox":             # q, k and v in one tensor, rows [q | k | v]: split after reading
+    if config.family in FUSED_QKV:              # q, k and v in one tensor, rows [q | k | v]: split after reading
         for part in "qkv":
             del names[f"blk.{{i}}.attn_{part}.weight"]
-        names |= {"blk.{i}.attn_qkv.weight": "layers.{i}.wqkv", "blk.{i}.attn_qkv.bias": "layers.{i}.bqkv"}
+        names["blk.{i}.attn_qkv.weight"] = "layers.{i}.wqkv"
+    if config.family == "falcon":               # the MLP's norm is attn_norm (load_gguf)
+        del names["blk.{i}.ffn_norm.weight"]
+        names.pop("blk.{i}.ffn_norm.bias")
+    if config.arch == "gpt2":
+        names["position_embd.weight"] = "pos_embed"
     return names
 
 # The file's matrix types repacked without loss (quant.from_gguf_block) instead of dequantized, per quant setting
@@ -69,7 +81,10 @@ def gguf_config(gg: GGUFFile) -> ModelConfig:
     arch = md.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise CheckpointError(f"{gg.path}: GGUF architecture {arch!r} is not supported (tinyllm reads "
-                              f"{', '.join(GGUF_ARCHITECTURES)} GGUF files; GPT-2 loads from a Hugging Face directory)")
+                              f"{', '.join(GGUF_ARCHITECTURES)} GGUF files)")
+    if arch == "mpt" and not md.get("mpt.attention.max_alibi_bias"):
+        raise CheckpointError(f"{gg.path}: MPT with learned positions (max_alibi_bias 0) is not supported; ALiBi "
+                              f"MPT is")
 
     def get(key, kind=int, default=None):
         value = md.get(f"{arch}.{key}", default)
@@ -81,28 +96,52 @@ def gguf_config(gg: GGUFFile) -> ModelConfig:
     tokens = md.get("tokenizer.ggml.tokens")
     vocab = get("vocab_size", default=len(tokens) if isinstance(tokens, list) and tokens else None)
     head_dim = get("attention.key_length") if f"{arch}.attention.key_length" in md else None
-    granite, layer_norm = arch == "granite", arch in LAYER_NORM_ARCHITECTURES
+    granite, layer_norm, tensors = arch == "granite", arch in LAYER_NORM_ARCHITECTURES, gg.tensors
     rope_dims = get("rope.dimension_count") if f"{arch}.rope.dimension_count" in md else None
     q_norm = gg.tensors.get("blk.0.attn_q_norm.weight")       # [Dh]: each head's (qwen3); [H*Dh]: all (olmo2)
     qk_norm = "" if q_norm is None else "head" if q_norm.shape[0] == (head_dim or get("embedding_length") // n_heads) \
         else "all"
+    clip = md.get(f"{arch}.attention.clamp_kqv")
     return model_config(
-        gg.path, arch="llama", vocab_size=vocab, dim=get("embedding_length"), n_layers=get("block_count"),
+        gg.path, arch=POSITIONS.get(arch, "llama"), vocab_size=vocab, dim=get("embedding_length"),
+        n_layers=get("block_count"),
         n_heads=n_heads, n_kv_heads=get("attention.head_count_kv", default=n_heads),
         ffn_dim=get("feed_forward_length"), context_length=get("context_length"),
         norm_eps=get("attention.layer_norm_epsilon" if layer_norm else "attention.layer_norm_rms_epsilon", float),
         rope_theta=get("rope.freq_base", float, 10000.0),
-        tie_embeddings="output.weight" not in gg.tensors, qkv_bias="blk.0.attn_q.bias" in gg.tensors,
-        attn_bias="blk.0.attn_output.bias" in gg.tensors, qk_norm=qk_norm, post_norm="blk.0.post_ffw_norm.weight" in gg.tensors,
+        tie_embeddings="output.weight" not in tensors, attn_bias="blk.0.attn_output.bias" in tensors,
+        qkv_bias=("blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors)
+        and "blk.0.attn_output.bias" not in tensors, qk_norm=qk_norm,
+        post_norm="blk.0.post_ffw_norm.weight" in tensors,
         explicit_head_dim=head_dim, embed_scale=get("embedding_scale", float, 1.0) if granite else 1.0,
-        logit_scale=get("logit_scale", float, 1.0) if granite else 1.0, norm="layer" if layer_norm else "rms",
-        # gpt-neox was trained with the exact GELU (llama.cpp runs its tanh approximation), starcoder2 with tanh's
-        mlp="gelu" if arch == "gptneox" else "gelu_tanh" if layer_norm else "swiglu",
+        logit_scale=get("logit_scale", float, 1.0) if granite else 1.0,
+        norm="rms" if not layer_norm else "layer" if "output_norm.bias" in tensors else "layer_nobias",
+        mlp="gelu" if arch in EXACT_GELU_ARCHITECTURES else "gelu_tanh" if layer_norm else "swiglu",
+        mlp_bias="blk.0.ffn_up.bias" in tensors, clip_qkv=0.0 if clip is None else config_number(
+            clip, f"metadata key {arch}.attention.clamp_kqv", gg.path, float),
         rotary_dim=rope_dims if rope_dims and rope_dims < (head_dim or n_heads and get("embedding_length") // n_heads)
-        else None, parallel_residual=bool(md.get(f"{arch}.use_parallel_residual", False)),
+        else None, parallel_residual=arch == "falcon" or bool(md.get(f"{arch}.use_parallel_residual", False)),
         family=FAMILY_NAMES.get(arch, arch),
         name=name_from_file(gg.path),
     )
+
+
+def position_weights(gg: GGUFFile, config: ModelConfig) -> dict:
+    """What the metadata says of positions, as the arrays the forward pass reads: linear RoPE scaling (DeepSeek-Coder)
+    as frequency divisors, rope_freqs [Dh/2]; MPT's ALiBi bias as alibi_slopes [H]. Other RoPE scalings are refused."""
+    arch = gg.metadata["general.architecture"]
+    scaling = gg.metadata.get(f"{arch}.rope.scaling.type", "none")
+    if config.arch == "alibi":
+        max_bias = config_number(gg.metadata[f"{arch}.attention.max_alibi_bias"], "max_alibi_bias", gg.path, float)
+        return {"alibi_slopes": alibi_slopes(config.n_heads, max_bias)}
+    if scaling == "linear":
+        factor = config_number(gg.metadata.get(f"{arch}.rope.scaling.factor"), f"{arch}.rope.scaling.factor",
+                               gg.path, float)
+        return {"rope_freqs": np.full(config.rope_dim // 2, factor, dtype=np.float32)}
+    if scaling != "none":
+        raise CheckpointError(f"{gg.path}: RoPE scaling {scaling!r} is not supported (plain RoPE, 'linear' and "
+                              f"Llama 3's rope_freqs)")
+    return {}
 
 
 def split_qkv(weights: dict, config: ModelConfig, i: int) -> None:
@@ -165,6 +204,12 @@ def load_gguf(path: str | Path, quant: str | None = None) -> tuple[ModelConfig, 
                 raise CheckpointError(f"{gg.path}: tensor {name!r}: {e}") from None
     for i in range(config.n_layers) if "blk.{i}.attn_qkv.weight" in names else ():
         split_qkv(weights, config, i)
+    for i in range(config.n_layers) if config.family == "falcon" else ():
+        # llama.cpp's falcon: attn_norm feeds the MLP, and attention too unless there is an attn_norm_2 (falcon-40b)
+        for p in (f"layers.{i}.attn_norm", f"layers.{i}.attn_norm_b"):
+            weights[p.replace("attn_norm", "ffn_norm")] = weights[p]
+            weights[p] = weights.pop(p.replace("attn_norm", "attn_norm_2"), weights[p])
+    weights |= position_weights(gg, config)
     check_shapes(config, weights, str(gg.path))      # first: the un-permutation needs the shapes it expects
     for i in range(config.n_layers) if GGUF_ARCHITECTURES[gg.metadata["general.architecture"]] else ():
         weights[f"layers.{i}.wq"] = unpermute_rope_rows(weights[f"layers.{i}.wq"], config.n_heads)

@@ -1,7 +1,8 @@
 """A Hugging Face model directory as (ModelConfig, canonical named arrays, Tokenizer): config.json, model.safetensors
-(or shards with an index) and tokenizer.json, for the RoPE-block families (llama incl. Llama 3.x RoPE scaling,
-mistral, qwen2, qwen3, granite, starcoder2, gpt_neox; a sliding window W makes the context W) and GPT-2. No pickle is ever read: .bin / .pt checkpoints are
-refused. Left out: other RoPE scalings, MoE, and other families (refused with a message naming the supported ones).
+(or shards with an index) and tokenizer.json, for the RoPE-block families (llama incl. Llama 3.x's and linear RoPE
+scaling, mistral, qwen2, qwen3, granite, starcoder2, gpt_neox, olmo2, falcon; a sliding window W makes the context
+W), the ALiBi ones (mpt, falcon-rw) and GPT-2. No pickle is ever read: .bin / .pt checkpoints are refused.
+Left out: other RoPE scalings, MoE, and other families (refused with a message naming the supported ones).
 """
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from .checkpoint import CheckpointError, check_shapes, config_number, fold_scales, model_config
-from .config import LLAMA_FAMILIES, ModelConfig
-from .ops import llama3_rope_factors
+from .config import FAMILIES, LLAMA_FAMILIES, ModelConfig
+from .ops import alibi_slopes, llama3_rope_factors
 from .tokenizer import Tokenizer
 
 
@@ -142,6 +143,10 @@ def hf_config(cfg: dict, source: str) -> ModelConfig:
             parallel_residual=neox and cfg.get("use_parallel_residual", True) is not False,
             family=model_type, name=name,
         )
+    if model_type == "falcon":
+        return _falcon_config(cfg, source, get, flag, name)
+    if model_type == "mpt":
+        return _mpt_config(cfg, source, get, name)
     if model_type == "gpt2":
         act = cfg.get("activation_function", "gelu_new")
         if act not in ("gelu_new", "gelu_pytorch_tanh"):
@@ -150,10 +155,73 @@ def hf_config(cfg: dict, source: str) -> ModelConfig:
         return model_config(
             source, arch="gpt2", vocab_size=get("vocab_size"), dim=D, n_layers=get("n_layer"), n_heads=get("n_head"),
             n_kv_heads=get("n_head"), ffn_dim=get("n_inner", default=4 * D), context_length=get("n_positions"),
-            norm_eps=get("layer_norm_epsilon", float, 1e-5), tie_embeddings=True, attn_bias=True, name=name,
+            norm_eps=get("layer_norm_epsilon", float, 1e-5), attn_bias=True, family="gpt2",
+            tie_embeddings=cfg.get("tie_word_embeddings", True) is not False,
+            name=name,
         )
     raise CheckpointError(f"{source}: model_type {model_type!r} is not supported (tinyllm runs "
-                          f"{', '.join(LLAMA_FAMILIES)} and gpt2)")
+                          f"{', '.join(FAMILIES[:-1])} and {FAMILIES[-1]})")
+
+
+def _falcon_config(cfg: dict, source: str, get, flag, name: str) -> ModelConfig:
+    """Falcon: LayerNorm, an exact-GELU MLP, attention and MLP side by side (parallel_attn) or one after the other;
+    one KV head (multi_query: falcon-7b), KVH of them (new_decoder_architecture: falcon-40b) or H (falcon-rw); RoPE,
+    or ALiBi (alibi: falcon-rw); biases on every projection or none (bias)."""
+    act = cfg.get("activation", "gelu")
+    if act != "gelu" or cfg.get("apply_residual_connection_post_layernorm"):
+        raise CheckpointError(f"{source}: falcon with activation {act!r} or apply_residual_connection_post_layernorm "
+                              f"is not supported (the Falcon checkpoints' exact GELU and pre-norm blocks are)")
+    rope = rope_parameters(cfg, source)
+    n_heads, new = get("num_attention_heads"), flag("new_decoder_architecture")
+    n_kv_heads = (get("num_kv_heads", default=n_heads) if new else
+                  1 if cfg.get("multi_query", True) is not False else n_heads)   # (multi_query: true by default)
+    D, bias = get("hidden_size"), flag("bias")
+    return model_config(
+        source, arch="alibi" if flag("alibi") else "llama", vocab_size=get("vocab_size"), dim=D,
+        n_layers=get("num_hidden_layers"), n_heads=n_heads, n_kv_heads=n_kv_heads,
+        ffn_dim=get("ffn_hidden_size", default=4 * D), context_length=get("max_position_embeddings", default=2048),
+        norm_eps=get("layer_norm_epsilon", float, 1e-5),
+        rope_theta=config_number(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)), "config.json 'rope_theta'",
+                                 source, float),
+        tie_embeddings=cfg.get("tie_word_embeddings", True) is not False, attn_bias=bias, mlp_bias=bias,
+        norm="layer", mlp="gelu", parallel_residual=new or cfg.get("parallel_attn", True) is not False,
+        family="falcon", name=name,
+    )
+
+
+def _mpt_config(cfg: dict, source: str, get, name: str) -> ModelConfig:
+    """MPT as transformers runs it: ALiBi, LayerNorm without biases, no biases anywhere, an exact-GELU MLP, q/k/v
+    clamped to clip_qkv if set. Refused: the attn_config options transformers' MPT does not run either."""
+    attn = cfg.get("attn_config") or {}
+    if not isinstance(attn, dict):
+        raise CheckpointError(f"{source}: config.json attn_config is {attn!r}, expected an object")
+    unsupported = {"alibi false (learned positions)": attn.get("alibi", True) is False,
+                   f"attn_type {attn.get('attn_type')!r}": attn.get("attn_type", "multihead_attention")
+                   != "multihead_attention", "qk_ln": bool(attn.get("qk_ln")), "prefix_lm": bool(attn.get("prefix_lm")),
+                   "softmax_scale": attn.get("softmax_scale") is not None, "biases (no_bias false)":
+                   cfg.get("no_bias", True) is False, "logit_scale": cfg.get("logit_scale") is not None}
+    if any(unsupported.values()):
+        raise CheckpointError(f"{source}: MPT with {', '.join(k for k, bad in unsupported.items() if bad)} is not "
+                              f"supported (tinyllm runs MPT-7b's layout: ALiBi, no biases)")
+    clip = attn.get("clip_qkv")
+    D = get("d_model")
+    return model_config(
+        source, arch="alibi", vocab_size=get("vocab_size"), dim=D, n_layers=get("n_layers"), n_heads=get("n_heads"),
+        n_kv_heads=get("n_heads"), ffn_dim=get("expansion_ratio", default=4) * D, context_length=get("max_seq_len"),
+        norm_eps=get("layer_norm_epsilon", float, 1e-5), tie_embeddings=cfg.get("tie_word_embeddings", True) is not False,
+        norm="layer_nobias", mlp="gelu", mlp_bias=False,
+        clip_qkv=0.0 if clip is None else config_number(clip, "config.json attn_config 'clip_qkv'", source, float),
+        family="mpt", name=name,
+    )
+
+
+def hf_alibi_slopes(cfg: dict, config: ModelConfig, source: str) -> np.ndarray:
+    """The ALiBi slopes [H] of an MPT or Falcon-RW config. transformers' Falcon adds the bias to the scores after
+    they are divided by sqrt(Dh) and divides it too, so its slopes are the usual ones / sqrt(Dh)."""
+    if config.family == "falcon":
+        return alibi_slopes(config.n_heads) / np.float32(math.sqrt(config.head_dim))
+    max_bias = (cfg.get("attn_config") or {}).get("alibi_bias_max", 8)
+    return alibi_slopes(config.n_heads, config_number(max_bias, "config.json attn_config 'alibi_bias_max'", source, float))
 
 
 def rope_parameters(cfg: dict, source: str) -> dict:
@@ -163,17 +231,21 @@ def rope_parameters(cfg: dict, source: str) -> dict:
     if not isinstance(rope, dict):
         raise CheckpointError(f"{source}: config.json rope_scaling is {rope!r}, expected an object")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", None, "llama3"):
-        raise CheckpointError(f"{source}: RoPE scaling {rope_type!r} is not supported (plain RoPE and 'llama3')")
+    if rope_type not in ("default", None, "llama3", "linear"):
+        raise CheckpointError(f"{source}: RoPE scaling {rope_type!r} is not supported (plain RoPE, 'linear' and "
+                              f"'llama3')")
     return rope
 
 
 def hf_rope_factors(cfg: dict, config: ModelConfig, source: str) -> np.ndarray | None:
-    """Llama 3.x's RoPE scaling as frequency divisors [Dh/2] (what the GGUF calls rope_freqs), or None."""
+    """Llama 3.x's RoPE scaling, or linear scaling (DeepSeek-Coder), as frequency divisors [Dh/2] (what the GGUF
+    calls rope_freqs), or None."""
     rope = rope_parameters(cfg, source)
+    num = lambda key, default: config_number(rope.get(key, default), f"config.json rope {key!r}", source, float)  # noqa: E731
+    if rope.get("rope_type", rope.get("type")) == "linear":     # positions / factor: every frequency factor x slower
+        return np.full(config.rope_dim // 2, num("factor", None), dtype=np.float32)
     if rope.get("rope_type", rope.get("type")) != "llama3":
         return None
-    num = lambda key, default: config_number(rope.get(key, default), f"config.json rope {key!r}", source, float)  # noqa: E731
     low, high = num("low_freq_factor", 1.0), num("high_freq_factor", 4.0)
     if high <= low:
         raise CheckpointError(f"{source}: config.json rope high_freq_factor ({high}) must exceed low_freq_factor")
@@ -209,6 +281,23 @@ def _hf_llama_names(raw: dict[str, np.ndarray], c: ModelConfig) -> dict[str, np.
     return w
 
 
+def split_grouped_qkv(w: dict, fused: str, layer: str, c: ModelConfig) -> None:
+    """A fused query_key_value whose rows go KV head by KV head, each with its G query heads, then its key, then its
+    value ([KVH, G + 2, Dh] rows: Falcon in all three layouts; GPT-NeoX's [H, 3, Dh] is G = 1) -> the layer's wq, wk,
+    wv (and bq, bk, bv if there is a bias), in w, in place of `fused` + ".weight" / ".bias"."""
+    G, rows = c.kv_mul, c.q_dim + 2 * c.kv_dim
+    for kind in ("weight", "bias"):
+        if f"{fused}.{kind}" not in w and kind == "bias":
+            continue
+        t = w.pop(f"{fused}.{kind}")                                    # [(H + 2*KVH) * Dh, (D)]
+        if t.shape[0] != rows:
+            raise CheckpointError(f"{fused}.{kind} has {t.shape[0]} rows, the config says {rows}")
+        grouped = t.reshape(c.n_kv_heads, G + 2, c.head_dim, *t.shape[1:])   # [KVH, G + 2, Dh, (D)]
+        parts = grouped[:, :G], grouped[:, G], grouped[:, G + 1]        # [KVH, G, Dh, (D)], [KVH, Dh, (D)] x 2
+        for part, a in zip("qkv", parts):
+            w[layer + ("w" if kind == "weight" else "b") + part] = a.reshape(-1, *t.shape[1:])
+
+
 def _hf_gpt_neox_names(raw: dict[str, np.ndarray], c: ModelConfig) -> dict[str, np.ndarray]:
     """GPT-NeoX (Pythia) names -> canonical ones; its fused query_key_value holds each head's q, k, v rows together
     ([H, 3, Dh] rows): split into wq, wk, wv."""
@@ -216,14 +305,10 @@ def _hf_gpt_neox_names(raw: dict[str, np.ndarray], c: ModelConfig) -> dict[str, 
     head = raw.get("embed_out.weight", raw.get("lm_head.weight"))
     w = {"tok_embed": raw["embed_in.weight"], "final_norm": raw["final_layer_norm.weight"],
          "final_norm_b": raw["final_layer_norm.bias"], **({"lm_head": head} if head is not None else {})}
-    H, Dh, D = c.n_heads, c.head_dim, c.dim
     for i in range(c.n_layers):
         p, q = f"layers.{i}.", f"layers.{i}."
-        qkv_w = raw[p + "attention.query_key_value.weight"].reshape(H, 3, Dh, D)        # [H, q|k|v, Dh, D]
-        qkv_b = raw[p + "attention.query_key_value.bias"].reshape(H, 3, Dh)             # [H, q|k|v, Dh]
-        for j, name in enumerate("qkv"):
-            w[q + "w" + name] = qkv_w[:, j].reshape(H * Dh, D)
-            w[q + "b" + name] = qkv_b[:, j].reshape(H * Dh)
+        split_grouped_qkv(raw, p + "attention.query_key_value", q, c)
+        w.update({k: raw[k] for k in (q + "wq", q + "wk", q + "wv", q + "bq", q + "bk", q + "bv")})
         w.update({
             q + "attn_norm": raw[p + "input_layernorm.weight"], q + "attn_norm_b": raw[p + "input_layernorm.bias"],
             q + "wo": raw[p + "attention.dense.weight"], q + "bo": raw[p + "attention.dense.bias"],
@@ -235,11 +320,54 @@ def _hf_gpt_neox_names(raw: dict[str, np.ndarray], c: ModelConfig) -> dict[str, 
     return {k: np.ascontiguousarray(v) for k, v in w.items()}
 
 
+def _hf_falcon_names(raw: dict[str, np.ndarray], c: ModelConfig) -> dict[str, np.ndarray]:
+    """Falcon names -> canonical ones. Its norms: falcon-40b's ln_attn and ln_mlp, or one input_layernorm that
+    falcon-7b's side-by-side attention and MLP share (the same array as both), or falcon-rw's two in sequence."""
+    w = {k.removeprefix("transformer."): v for k, v in raw.items()}
+    out = {"tok_embed": w["word_embeddings.weight"], "final_norm": w["ln_f.weight"], "final_norm_b": w["ln_f.bias"]}
+    if not c.tie_embeddings:
+        out["lm_head"] = w["lm_head.weight"]
+    for i in range(c.n_layers):
+        p, q = f"h.{i}.", f"layers.{i}."
+        two = p + "ln_attn.weight" in w
+        norms = {"attn_norm": "ln_attn" if two else "input_layernorm",
+                 "ffn_norm": "ln_mlp" if two else "input_layernorm" if c.parallel_residual else "post_attention_layernorm"}
+        for ours, theirs in norms.items():
+            out[q + ours], out[q + ours + "_b"] = w[p + theirs + ".weight"], w[p + theirs + ".bias"]
+        split_grouped_qkv(w, p + "self_attention.query_key_value", q, c)
+        names = {"self_attention.dense": ("wo", "bo"), "mlp.dense_h_to_4h": ("w_fc", "b_fc"),
+                 "mlp.dense_4h_to_h": ("w_proj", "b_proj")}
+        for theirs, (ours_w, ours_b) in names.items():
+            out[q + ours_w] = w[p + theirs + ".weight"]
+            if p + theirs + ".bias" in w:
+                out[q + ours_b] = w[p + theirs + ".bias"]
+        out.update({k: w[k] for k in (q + "wq", q + "wk", q + "wv", q + "bq", q + "bk", q + "bv") if k in w})
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def _hf_mpt_names(raw: dict[str, np.ndarray], c: ModelConfig) -> dict[str, np.ndarray]:
+    """MPT names -> canonical ones; its fused Wqkv is rows [q | k | v]."""
+    w = {k.removeprefix("transformer."): v for k, v in raw.items()}
+    out = {"tok_embed": w["wte.weight"], "final_norm": w["norm_f.weight"]}
+    if not c.tie_embeddings:
+        out["lm_head"] = w["lm_head.weight"]
+    D = c.dim
+    for i in range(c.n_layers):
+        p, q = f"blocks.{i}.", f"layers.{i}."
+        qkv = w[p + "attn.Wqkv.weight"]                              # [3D, D]
+        out.update({q + "attn_norm": w[p + "norm_1.weight"], q + "wq": qkv[:D], q + "wk": qkv[D:2 * D],
+                    q + "wv": qkv[2 * D:], q + "wo": w[p + "attn.out_proj.weight"], q + "ffn_norm": w[p + "norm_2.weight"],
+                    q + "w_fc": w[p + "ffn.up_proj.weight"], q + "w_proj": w[p + "ffn.down_proj.weight"]})
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
 def _hf_gpt2_names(raw: dict[str, np.ndarray], c: ModelConfig) -> dict[str, np.ndarray]:
     """GPT-2 stores its projections as Conv1D ([in, out]): transpose them to [out, in]; split the fused c_attn."""
     raw = {k.removeprefix("transformer."): v for k, v in raw.items()}
     w = {"tok_embed": raw["wte.weight"], "pos_embed": raw["wpe.weight"],
          "final_norm": raw["ln_f.weight"], "final_norm_b": raw["ln_f.bias"]}
+    if not c.tie_embeddings:
+        w["lm_head"] = raw["lm_head.weight"]
     D = c.dim
     for i in range(c.n_layers):
         p, q = f"h.{i}.", f"layers.{i}."
@@ -286,19 +414,23 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray], Tokeniz
             raise CheckpointError(f"{path}: shard {f.name} named in the index is missing")
         raw.update(read_safetensors(f))
     try:
-        names = {"gpt2": _hf_gpt2_names, "gpt_neox": _hf_gpt_neox_names}.get(config.family or config.arch,
-                                                                              _hf_llama_names)
+        names = {"gpt2": _hf_gpt2_names, "gpt_neox": _hf_gpt_neox_names, "falcon": _hf_falcon_names,
+                 "mpt": _hf_mpt_names}.get(config.family, _hf_llama_names)
         weights = names(raw, config)
     except KeyError as e:
         raise CheckpointError(f"{path}: weight {e.args[0]!r} is missing from the safetensors files") from None
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from None
     if config.family == "granite":
         fold_scales(weights, config, attention_scale=config_number(cfg.get("attention_multiplier", 1.0),
                                                                     "config.json 'attention_multiplier'", str(path), float),
                     residual_scale=config_number(cfg.get("residual_multiplier", 1.0),
                                                  "config.json 'residual_multiplier'", str(path), float))
-    rope_freqs = hf_rope_factors(cfg, config, str(path))
+    rope_freqs = hf_rope_factors(cfg, config, str(path)) if config.arch == "llama" else None
     if rope_freqs is not None:
         weights["rope_freqs"] = rope_freqs
+    if config.arch == "alibi":
+        weights["alibi_slopes"] = hf_alibi_slopes(cfg, config, str(path))
     check_shapes(config, weights, str(path))
     tok_path = path / "tokenizer.json"
     if not tok_path.exists():

@@ -4,9 +4,11 @@
     prefill(ids, cache)      the prompt (in chunks past 128 tokens): big matmuls (compute-bound), fills the cache
     decode_step(id, cache)   one new token: reads every weight and the whole cache (memory-bound)
 
-All three run the same `forward`; the only difference is where K and V come from. Two families share the
-code: Llama (RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases) and GPT-2 (LayerNorm, learned
-positions, GELU, biases). Weights arrive as canonical named arrays from weights.py.
+All three run the same `forward`; the only difference is where K and V come from. Every family shares the
+code, a config field per difference (config.py): Llama (RMSNorm, RoPE, SwiGLU, grouped-query attention, no
+biases) and its kin, GPT-2 (LayerNorm, learned positions, GELU, biases), and the ALiBi families (MPT,
+Falcon-RW: no position in the embeddings, a per-head bias on the attention scores instead). Weights arrive as
+canonical named arrays from weights.py.
 """
 from __future__ import annotations
 
@@ -18,8 +20,8 @@ import numpy as np
 from .backend import BACKENDS, make_backend
 from .config import ModelConfig
 from .interventions import make_interventions
-from .kv_cache import ContiguousKVCache, Segment, attention_groups, query_for
-from .ops import rope_tables
+from .kv_cache import ContiguousKVCache, Segment, attention_groups, attention_inputs, query_for
+from .ops import attention, paged_attention, rope_tables
 from .quant import QuantizedWeight
 from .weights import fuse_layer_matrices
 
@@ -74,6 +76,7 @@ class Transformer:
         self.final_norm = weights["final_norm"]                    # [D]
         self.final_norm_b = weights.get("final_norm_b")
         self.pos_embed = weights.get("pos_embed")                  # [context, D] (gpt2 only)
+        self.alibi_slopes = weights.get("alibi_slopes")            # [H] (arch "alibi" only)
         # q/k/v and gate/up as one matrix each: the loaders hand them over fused already; other dicts are fused here
         weights = fuse_layer_matrices(dict(weights), c.n_layers)
         self.layers = []
@@ -203,6 +206,8 @@ class Transformer:
             row += T
         positions = np.concatenate([np.arange(s.start, s.start + s.n_tokens) for s in segments])   # [N]
         ops = self.compute.ops_for(row)                             # the functions a pass of this many rows runs
+        if self.alibi_slopes is not None:                           # ALiBi: attention with its bias, in numpy
+            ops = AlibiOps(ops, self.alibi_slopes)
         if trace is not None:
             if len(segments) != 1:
                 raise ValueError("a trace follows one sequence: trace a forward pass of a single sequence")
@@ -214,10 +219,10 @@ class Transformer:
         x = self._embed(np.concatenate(ids))                        # [N, D]
         if self.config.embed_scale != 1.0:                          # granite
             x = x * np.float32(self.config.embed_scale)
+        rope = None                                                 # (ALiBi's positions enter in attention)
         if self.pos_embed is not None:                              # gpt2: learned absolute positions
             x = x + self.pos_embed[positions]
-            rope = None
-        else:                                                       # llama: each row's rotation angles
+        elif self.config.arch == "llama":                           # RoPE: each row's rotation angles
             rope = self.rope_cos[positions], self.rope_sin[positions]   # 2 x [N, Dh/2]
         if not watched and self.compute.fuses(row) and self._fusable(segments):
             self.compute.decode_blocks(self, x, segments[0].start, segments[0].cache)   # x [T, D], in place
@@ -251,6 +256,8 @@ class Transformer:
         # attention
         h = x if c.post_norm else self._norm(ops, x, layer.attn_norm, layer.attn_norm_b)   # [T, D]
         qkv = ops.linear(h, layer.wqkv, layer.bqkv, int8_inputs=int8_inputs)   # [T, (H + 2*KVH) * Dh]
+        if c.clip_qkv:                                              # MPT: q, k, v clamped
+            qkv = np.clip(qkv, np.float32(-c.clip_qkv), np.float32(c.clip_qkv))
         q = qkv[:, :H * Dh].reshape(T, H, Dh)                       # [T, H, Dh]
         k = qkv[:, H * Dh:(H + KVH) * Dh].reshape(T, KVH, Dh)      # [T, KVH, Dh]
         v = qkv[:, (H + KVH) * Dh:].reshape(T, KVH, Dh)            # [T, KVH, Dh]
@@ -373,3 +380,22 @@ class Transformer:
         return (f"Transformer({c.name or c.arch}: {c.n_layers} layers, D={c.dim}, H={c.n_heads}, "
                 f"KVH={c.n_kv_heads}, V={c.vocab_size}, {c.n_params / 1e6:.1f}M params, {self.quant} weights "
                 f"{self.weight_bytes / 2**20:.0f} MiB, {self.activations} activations, backend={self.backend})")
+
+
+class AlibiOps:
+    """A backend's ops with ALiBi's bias added in attention (ops.attention's slopes). The Numba attention kernels
+    take no bias, so an ALiBi model's attention runs in numpy on either backend (its linears stay the backend's)."""
+
+    def __init__(self, base, slopes: np.ndarray):
+        self.base, self.slopes = base, slopes               # slopes [H]
+
+    def __getattr__(self, name):                            # linear, layernorm, gelu...: the backend's own
+        return getattr(self.base, name)
+
+    def attention(self, q, k, v, start: int) -> np.ndarray:
+        """q [T, H, Dh], k, v [S, KVH, Dh] in any stored format -> [T, H*Dh]"""
+        return attention(*attention_inputs(q, k, v), start, self.slopes)
+
+    def paged_attention(self, q, k_blocks, v_blocks, block_tables, context_lens) -> np.ndarray:
+        """q [B, H, Dh] against each sequence's blocks -> [B, H*Dh]"""
+        return paged_attention(q, k_blocks, v_blocks, block_tables, context_lens, attend=self.attention)

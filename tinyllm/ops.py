@@ -24,12 +24,13 @@ def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return x * (1.0 / np.sqrt(ms + eps)) * weight       # [T, D]
 
 
-def layernorm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
-    """GPT-2's norm: subtract the row mean, divide by the row std, then scale and shift."""
+def layernorm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None, eps: float) -> np.ndarray:
+    """GPT-2's norm: subtract the row mean, divide by the row std, then scale and shift (MPT's: no shift)."""
     mu = np.mean(x, axis=-1, keepdims=True)             # [T, 1]
     xc = x - mu
     var = np.mean(xc * xc, axis=-1, keepdims=True)      # [T, 1]
-    return xc / np.sqrt(var + eps) * weight + bias      # [T, D]
+    y = xc / np.sqrt(var + eps) * weight                # [T, D]
+    return y if bias is None else y + bias
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -93,6 +94,20 @@ def llama3_rope_factors(head_dim: int, theta: float, factor: float, low_freq_fac
     return out.astype(np.float32)
 
 
+def alibi_slopes(n_heads: int, max_bias: float = 8.0) -> np.ndarray:
+    """ALiBi's per-head slopes (Press et al. 2022): head h adds slope_h * (key position - query position) to its
+    scores, a penalty growing with distance, steep for the first heads and gentle for the last.
+
+    For n heads, n a power of two: slope_h = 2^(-max_bias * (h+1) / n). Otherwise the first m heads (m the power of
+    two below n) take the slopes of m heads, the others every other slope of 2m heads, from the first: as llama.cpp's
+    ggml_soft_max_ext (max_bias) and transformers' Falcon and MPT compute them (tests/test_families.py). -> [H]
+    """
+    m = 2 ** math.floor(math.log2(n_heads))                                     # the power of two at or below
+    h = np.arange(n_heads, dtype=np.float64)                                    # [H]
+    exponent = np.where(h < m, (h + 1) / m, (2 * (h - m) + 1) / (2 * m))        # [H]
+    return (2.0 ** (-max_bias * exponent)).astype(np.float32)
+
+
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """Rotate each head's vector by its position's angles (RoPE, Su et al. 2021), half-split convention.
 
@@ -106,12 +121,14 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)   # [T, nh, Dh]
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int,
+              slopes: np.ndarray | None = None) -> np.ndarray:
     """Causal scaled dot-product attention with grouped-query heads.
 
     q: [T, H, Dh] for positions start .. start+T-1; k, v: [S, KVH, Dh] for positions 0 .. S-1 (S = start + T).
     GQA: query head h reads KV head h // G. Reshaping q to [KVH, G, T, Dh] lets one matmul per KV head serve
-    its G query heads; K and V are never copied or repeated. -> [T, H*Dh]
+    its G query heads; K and V are never copied or repeated. slopes [H] (ALiBi families, alibi_slopes): head h's
+    scores get slopes[h] * (key position - query position) added. -> [T, H*Dh]
     """
     T, H, Dh = q.shape
     S, KVH, _ = k.shape
@@ -122,6 +139,9 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
     # causal mask: query at position start+t may see keys at positions <= start+t
     q_pos = start + np.arange(T)[:, None]                          # [T, 1]
     visible = np.arange(S)[None, :] <= q_pos                       # [T, S]
+    if slopes is not None:                                         # ALiBi: farther keys score lower
+        distance = (np.arange(S)[None, :] - q_pos).astype(np.float32)   # [T, S], <= 0 where visible
+        scores = scores + slopes.reshape(KVH, G, 1, 1) * distance      # [KVH, G, T, S]
     scores = np.where(visible, scores, np.float32(-np.inf))
     probs = softmax(scores, axis=-1)                               # [KVH, G, T, S]
     out = probs @ v.transpose(1, 0, 2)[:, None]                    # [KVH, G, T, Dh]

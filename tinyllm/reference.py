@@ -5,9 +5,10 @@
 
 A prompt becomes token ids; `prefill` runs them all through the model at once and keeps every layer's keys and
 values in a cache; `decode_step` then runs one new token at a time, attending to the cache instead of redoing
-the past; `sample` turns each step's logits into the next id. Two block families: Llama (RMSNorm, RoPE,
+the past; `sample` turns each step's logits into the next id. One block for every family: Llama (RMSNorm, RoPE,
 grouped-query attention, SwiGLU; with the flags of its kin: Qwen's q/k/v biases or q/k norms, Llama 3's RoPE
-scaling, Granite's scales) and GPT-2 (LayerNorm, learned positions, GELU, biases).
+scaling, Granite's scales, Falcon's parallel MLP), GPT-2 (LayerNorm, learned positions, GELU, biases) and the ALiBi
+families (MPT, Falcon-RW: positions as a per-head bias on the attention scores).
 Left out, on purpose: quantized weights, the Numba kernels, paged caches, batching, tracing. The engine
 (model.py, kernels/) does all of that and is tested to give the same logits as this file.
 Shapes: T tokens in this pass, S cached positions, D width, H query heads, KVH key/value heads, Dh head dim,
@@ -44,7 +45,7 @@ def plain_weights(config: ModelConfig, flat: dict) -> dict:
 
     flat = fuse_layer_matrices(dict(flat), config.n_layers)   # q|k|v stacked into wqkv, gate|up into w_in
     weights = {name: f32(flat.get(name)) for name in ("tok_embed", "final_norm", "final_norm_b", "pos_embed",
-                                                       "rope_freqs")}
+                                                       "rope_freqs", "alibi_slopes")}
     weights["lm_head"] = f32(flat["lm_head"]) if "lm_head" in flat else weights["tok_embed"]   # tied: the same
     names = {"w_fc": "w_in", "b_fc": "b_in", "w_down": "w_out", "w_proj": "w_out", "b_proj": "b_out"}
     weights["layers"] = []
@@ -63,15 +64,16 @@ def rms_norm(x, weight, eps):
 
 
 def layer_norm(x, weight, bias, eps):
-    """GPT-2's norm: subtract each row's mean, divide by its standard deviation, scale and shift."""
+    """GPT-2's norm: subtract each row's mean, divide by its standard deviation, scale and shift (MPT: no shift)."""
     mu = np.mean(x, axis=-1, keepdims=True)                        # [T, 1]
     xc = x - mu                                                    # [T, D]
     var = np.mean(xc * xc, axis=-1, keepdims=True)                 # [T, 1]
-    return xc / np.sqrt(var + eps) * weight + bias                 # [T, D]
+    y = xc / np.sqrt(var + eps) * weight                           # [T, D]
+    return y if bias is None else y + bias
 
 
 def norm(config: ModelConfig, x, weight, bias):
-    """The family's norm: RMSNorm for Llama, LayerNorm (with its bias) for GPT-2, GPT-NeoX, StarCoder2."""
+    """The family's norm: RMSNorm for Llama, LayerNorm (with its bias, but in MPT) for GPT-2 and the others."""
     if config.norm == "rms":
         return rms_norm(x, weight, config.norm_eps)
     return layer_norm(x, weight, bias, config.norm_eps)
@@ -106,18 +108,22 @@ def softmax(x, axis=-1):
     return e / np.sum(e, axis=axis, keepdims=True)
 
 
-def attention(q, k, v, start):
+def attention(q, k, v, start, alibi_slopes=None):
     """Causal attention with grouped-query heads: query head h reads KV head h // G, so G query heads share one K, V.
 
     q [T, H, Dh] at positions start .. start+T-1; k, v [S, KVH, Dh] at positions 0 .. S-1. -> [T, H*Dh]
+    alibi_slopes [H] (ALiBi, Press et al. 2022): head h's scores drop by slope_h per position of distance.
     """
     T, H, Dh = q.shape
     S, KVH, _ = k.shape
-    visible = np.arange(S)[None, :] <= start + np.arange(T)[:, None]   # [T, S]: no token sees its future
+    distance = np.arange(S)[None, :] - (start + np.arange(T)[:, None])   # [T, S]: key position - query position
+    visible = distance <= 0                                            # [T, S]: no token sees its future
     out = np.empty((T, H, Dh), dtype=np.float32)
     for h in range(H):
         kv = h // (H // KVH)                                           # the KV head this query head reads
         scores = q[:, h] @ k[:, kv].T * np.float32(1.0 / np.sqrt(Dh))  # [T, S]: how well each query fits each key
+        if alibi_slopes is not None:
+            scores = scores + alibi_slopes[h] * distance.astype(np.float32)   # farther keys score lower
         probs = softmax(np.where(visible, scores, -np.inf))            # [T, S]: each row sums to 1
         out[:, h] = probs @ v[:, kv]                                   # [T, Dh]: a mix of the values
     return out.reshape(T, H * Dh)                                      # [T, H*Dh]
@@ -151,13 +157,16 @@ def new_cache(config: ModelConfig, max_len: int | None = None) -> KVCache:
 
 
 # --- the forward pass ---------------------------------------------------------------------------------------------
-def block(config: ModelConfig, layer: dict, i: int, x, positions, cache: KVCache | None, rope_freqs=None):
+def block(config: ModelConfig, layer: dict, i: int, x, positions, cache: KVCache | None, rope_freqs=None,
+          alibi_slopes=None):
     """One transformer block: x + attention(norm(x)), then x + mlp(norm(x)). x [T, D] -> [T, D]"""
     c, T, x_in = config, x.shape[0], x
     H, KVH, Dh, r = c.n_heads, c.n_kv_heads, c.head_dim, c.rope_dim
 
     h = x if c.post_norm else norm(c, x, layer["attn_norm"], layer.get("attn_norm_b"))   # [T, D] (olmo2: after)
     qkv = linear(h, layer["wqkv"], layer.get("bqkv"))              # [T, (H + 2*KVH) * Dh]: q, k, v side by side
+    if c.clip_qkv:                                                 # MPT: every value clamped
+        qkv = np.clip(qkv, np.float32(-c.clip_qkv), np.float32(c.clip_qkv))
     q = qkv[:, :H * Dh].reshape(T, H, Dh)                          # [T, H, Dh]
     k = qkv[:, H * Dh:(H + KVH) * Dh].reshape(T, KVH, Dh)         # [T, KVH, Dh]
     v = qkv[:, (H + KVH) * Dh:].reshape(T, KVH, Dh)               # [T, KVH, Dh]
@@ -173,7 +182,7 @@ def block(config: ModelConfig, layer: dict, i: int, x, positions, cache: KVCache
     if cache is not None:                                          # keep this pass's K, V; attend to all so far
         cache.k[i, start:start + T], cache.v[i, start:start + T] = k, v
         k, v = cache.k[i, :start + T], cache.v[i, :start + T]      # [S, KVH, Dh] each
-    out = linear(attention(q, k, v, start), layer["wo"], layer.get("bo"))   # [T, D]
+    out = linear(attention(q, k, v, start, alibi_slopes), layer["wo"], layer.get("bo"))   # [T, D]
     x = x + (rms_norm(out, layer["attn_post_norm"], c.norm_eps) if c.post_norm else out)
 
     h = x if c.post_norm else norm(c, x_in if c.parallel_residual else x, layer["ffn_norm"], layer.get("ffn_norm_b"))
@@ -196,7 +205,7 @@ def forward(config: ModelConfig, weights: dict, ids, cache: KVCache | None = Non
     if config.arch == "gpt2":
         x = x + weights["pos_embed"][positions]                    # [T, D]: learned absolute positions
     for i, layer in enumerate(weights["layers"]):
-        x = block(config, layer, i, x, positions, cache, weights["rope_freqs"])   # [T, D]
+        x = block(config, layer, i, x, positions, cache, weights["rope_freqs"], weights["alibi_slopes"])   # [T, D]
     if cache is not None:
         cache.length = start + len(ids)
     x = norm(config, x, weights["final_norm"], weights["final_norm_b"])   # [T, D]

@@ -163,7 +163,7 @@ class Trace:
         """[S, H, Dh] every head's output at every position: its attention probabilities times the values, what
         the output projection wo reads (recomputed from the recorded q, k, v, as `attention` is)."""
         q, k, v = self.q(layer), self.k(layer), self.v(layer)        # [S, H, Dh], [S, KVH, Dh] x 2
-        return ops.attention(q, k, v, 0).reshape(q.shape)             # [S, H, Dh]
+        return ops.attention(q, k, v, 0, self._model.alibi_slopes).reshape(q.shape)   # [S, H, Dh]
 
     def residual_norms(self, layer: int) -> np.ndarray:
         """[S, 3] the residual stream's L2 norm per position: entering the layer, after attention, after the MLP."""
@@ -178,6 +178,9 @@ class Trace:
         heads = self.heads
         kh = k[:, [h // G for h in heads]].transpose(1, 2, 0)        # [h, Dh, S]: each head's KV head (GQA)
         scores = (q[:, heads].transpose(1, 0, 2) @ kh) / np.float32(np.sqrt(Dh))   # [h, S, S]
+        if self._model.alibi_slopes is not None:                     # ALiBi: minus slope x distance
+            distance = (np.arange(S)[None, :] - np.arange(S)[:, None]).astype(np.float32)   # [S, S]
+            scores = scores + self._model.alibi_slopes[heads][:, None, None] * distance
         causal = np.tril(np.ones((S, S), dtype=bool))
         probs = ops.softmax(np.where(causal, scores, np.float32(-np.inf)), axis=-1)
         return np.where(causal, probs, 0).astype(np.float32)

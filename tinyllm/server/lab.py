@@ -6,9 +6,12 @@ generate, and to three read-only JSON endpoints defined here:
     GET  /lab/api/engine       the KV block pool (owner of every block, shared and free ones), the running and
                                waiting queues, and the slot timeline of the last steps (continuous batching)
     POST /lab/api/inspect      one generated token of a finished request, from the inside: attention of the
-                               position that chose it, the logit lens per layer, and the sampling stages
-    POST /lab/api/capacity     the serving arithmetic of tinyllm/capacity.py for the calculator form
-    GET  /lab/api/presets      model shapes and hardware for that form
+                               position that chose it and the layer's [S, S] maps up to it, the residual norms
+                               (the sink), the logit lens per layer, and the sampling stages
+    POST /lab/api/capacity     the serving arithmetic of tinyllm/capacity.py for the calculator form, with a
+                               verdict: does the batch fit in memory, and by how much it does not
+    GET  /lab/api/presets      model shapes and hardware for that form (this machine's from the cached calibration)
+    POST /lab/api/calibrate    measure this machine's roofs now (roofs.py; seconds, the engine pauses) and cache them
 
 Every read of the engine runs on the engine thread between two steps (EngineLoop.call), so it sees a consistent
 pool. "Inspect" replays the request with tracing: same prompt ids, sampling parameters and seed, so the same
@@ -32,12 +35,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from .. import capacity
+from .. import capacity, roofs
 from ..generate import CacheSpec, stream
 from ..trace import Trace
 from .app import on_disconnect
@@ -46,6 +50,7 @@ from .protocol import APIError, echo
 STATIC = Path(__file__).resolve().parent / "static"
 TIMELINE_STEPS = 160          # steps of the slot timeline sent to the page
 LENS_TOP = 3                  # logit lens: top tokens per layer shown
+MATRIX_POSITIONS = 128        # attention heatmaps: the last this many positions ([H, S, S] grows as S squared)
 REPLAYS_KEPT = 2              # traced replays kept: q, k, v and the output of every layer, for every position
 MAX_REPLAY_POSITIONS = 1024   # (about 185 KB per position on the default model, so ~190 MB at this cap)
 SNAPSHOT_EVERY = 0.1          # seconds: however many pages poll, the engine thread draws itself 10 times a second
@@ -165,6 +170,15 @@ def token_text(tokenizer, token_id: int) -> str:
     return tokenizer.id_to_bytes(int(token_id)).decode("utf-8", errors="replace")
 
 
+def significant(a: np.ndarray, digits: int = 5) -> list:
+    """a rounded to `digits` significant digits, as nested lists: short JSON, and the small weights left beside an
+    attention sink keep the precision that renormalising without it needs."""
+    a = a.astype(np.float64)
+    exponent = np.floor(np.log10(np.abs(a), out=np.zeros_like(a), where=a != 0))
+    scale = 10.0 ** (digits - 1 - exponent)
+    return (np.round(a * scale) / scale).tolist()
+
+
 def inspect_token(r: Replay, index: int, layer: int | None) -> dict:
     """Generated token `index` of a replay, from the inside. It was chosen by the pass at the position just before
     it (prompt_len + index - 1): that position's attention over every earlier position, its logit lens, and the
@@ -177,7 +191,9 @@ def inspect_token(r: Replay, index: int, layer: int | None) -> dict:
     if not 0 <= layer < c.n_layers:
         raise APIError(400, f"layer must be in 0 .. {c.n_layers - 1}", "layer")
     q = r.prompt_len + index - 1                                  # the position whose output chose the token
-    att = tr.attention(layer)[:, q, :q + 1]                       # [H, q+1] each head's row over 0..q
+    full = tr.attention(layer)                                    # [H, S, S]
+    att = full[:, q, :q + 1]                                      # [H, q+1] each head's row over 0..q
+    lo = max(0, q + 1 - MATRIX_POSITIONS)                         # the heatmaps' first position
     lens = []
     for i in range(c.n_layers):
         ids, probs = tr.logit_lens(i, top=LENS_TOP, positions=[q])   # [1, top] each
@@ -191,7 +207,9 @@ def inspect_token(r: Replay, index: int, layer: int | None) -> dict:
         "token": {"id": s.token, "text": token_text(tok, s.token), "prob": s.prob},
         "replay": {"matches": diff is None, "first_difference": diff, "streamed": len(r.streamed)},
         "layer": layer, "n_layers": c.n_layers, "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads,
-        "attention": {"heads": att.tolist(), "average": att.mean(axis=0).tolist()},
+        "attention": {"heads": att.tolist(), "average": att.mean(axis=0).tolist(),
+                      "matrix": {"start": lo, "heads": significant(full[:, lo:q + 1, lo:q + 1])}},
+        "residual_norms": tr.residual_norms(layer)[:q + 1, 2].tolist(),     # [q+1] leaving the layer
         "lens": lens,
         "sampling": {"stages": [{"stage": st.stage, "top": [{"id": t, "text": token_text(tok, t), "prob": pr}
                                                            for t, pr in zip(st.ids, st.probs)]}
@@ -212,6 +230,7 @@ CAPACITY_FIELDS = {        # name -> (what it is, least and largest allowed valu
 }
 INTEGER_FIELDS = {"layers", "kv_heads", "head_dim", "context", "batch", "prompt_tokens", "output_tokens"}
 SEED_HARDWARE = {"memory_gib": 80, "usable_fraction": 0.9, "bandwidth_gbs": 2000, "peak_tflops": 200}
+DEFAULT_WORKLOAD = {"context": 4096, "batch": 1, "prompt_tokens": 2000, "output_tokens": 500}   # room for the request
 
 
 def capacity_inputs(body: dict) -> dict:
@@ -258,7 +277,16 @@ def capacity_figures(v: dict) -> dict:
                                              usable_fraction=v["usable_fraction"], weight_bytes=weight_bytes,
                                              context=v["context"], kv_bytes_per_token=kv_token)
     ridge = capacity.ridge_point(peak_flops=peak, bandwidth=bandwidth)
+    room = capacity.fit(memory_bytes=v["memory_gib"] * capacity.GiB, usable_fraction=v["usable_fraction"],
+                        weight_bytes=weight_bytes, batch=v["batch"], context=v["context"], kv_bytes_per_token=kv_token)
+    request = v["prompt_tokens"] + v["output_tokens"]
+    warnings = [] if request <= v["context"] else [
+        f"a request of {v['prompt_tokens']:,} prompt + {v['output_tokens']:,} output tokens needs {request:,} "
+        f"positions, more than the context of {v['context']:,}: raise the context (the memory figures use it)"]
     return {
+        "fit": {"fits": room.fits, "verdict": room.verdict(), "needed_bytes": room.needed, "usable_bytes": room.usable,
+                "over_bytes": room.over, "max_batch": room.max_batch, "max_context": room.max_context},
+        "warnings": warnings,
         "kv_bytes_per_token": kv_token,
         "kv_bytes_per_sequence": capacity.kv_bytes_per_sequence(layers=v["layers"], kv_heads=v["kv_heads"],
                                                                 head_dim=v["head_dim"],
@@ -274,15 +302,32 @@ def capacity_figures(v: dict) -> dict:
     }
 
 
+def machine_hardware() -> dict:
+    """This machine for the form, from the cached calibration (roofs.py): its hardware fields, when and how it was
+    measured, or why there is none."""
+    out = {"hardware": None, "calibration": None, "error": None, "file": str(roofs.calibration_file())}
+    try:
+        r = roofs.load_calibration()
+    except ValueError as e:
+        out["error"] = str(e)
+        return out
+    if r is not None:
+        out["hardware"] = {"memory_gib": r.memory / capacity.GiB, "usable_fraction": SEED_HARDWARE["usable_fraction"],
+                           "bandwidth_gbs": r.bandwidth / 1e9, "peak_tflops": r.peak_flops / 1e12}
+        out["calibration"] = {"measured": r.measured, "source": r.source, "threads": r.threads}
+    return out
+
+
 def presets(model) -> dict:
-    """Model shapes for the form: the seed's two illustrative ones and the model this server runs."""
+    """Model shapes for the form: the seed's two illustrative ones and the model this server runs; the seed's
+    hypothetical accelerator, and this machine as calibrated."""
     def shape(s: capacity.ModelShape) -> dict:
         return {"name": s.name, "layers": s.layers, "kv_heads": s.kv_heads, "head_dim": s.head_dim,
                 "bytes_per_value": s.kv_bytes_per_value, "params": s.params, "weight_gb": s.weight_bytes / capacity.GB}
     shapes = {key: shape(s) for key, s in capacity.SHAPES.items()}
     shapes["served"] = shape(capacity.ModelShape.from_model(model))
-    return {"models": shapes, "hardware": SEED_HARDWARE, "defaults": {"context": 1000, "batch": 1,
-                                                                      "prompt_tokens": 2000, "output_tokens": 500}}
+    return {"models": shapes, "hardware": SEED_HARDWARE, "machine": machine_hardware(),
+            "defaults": DEFAULT_WORKLOAD}
 
 
 # --- routes --------------------------------------------------------------------------------------------------------
@@ -294,6 +339,7 @@ class Lab:
         self.server = server
         self.replays: OrderedDict[str, Replay] = OrderedDict()    # request id -> replay, most recent last
         self.replaying = False                                    # one replay at a time (they pause the engine)
+        self.calibrating = False                                  # one calibration at a time (it pauses it too)
         self.snapshot: tuple[float, asyncio.Future] | None = None   # the last engine snapshot, shared by pollers
 
     def routes(self) -> list:
@@ -301,6 +347,7 @@ class Lab:
                 Route("/lab/api/engine", self.engine), Route("/lab/api/presets", self.presets),
                 Route("/lab/api/inspect", self.inspect, methods=["POST"]),
                 Route("/lab/api/capacity", self.capacity, methods=["POST"]),
+                Route("/lab/api/calibrate", self.calibrate, methods=["POST"]),
                 Mount("/lab/static", StaticFiles(directory=STATIC), name="lab-static")]
 
     async def on_engine_thread(self, fn, timeout: float = 120.0):
@@ -340,6 +387,19 @@ class Lab:
     async def capacity(self, request: HTTPRequest) -> Response:
         values = capacity_inputs(await self.server._json(request))
         return JSONResponse(await asyncio.to_thread(checked_capacity_figures, values))   # off the event loop
+
+    async def calibrate(self, request: HTTPRequest) -> Response:
+        """Measure this machine's roofs on the engine thread (a few seconds: steps pause, nothing else runs kernels
+        meanwhile), cache them, and answer with the form's hardware fields."""
+        if self.calibrating:
+            raise APIError(429, "a calibration is already running: wait for it")
+        self.calibrating = True
+        try:
+            measured = await self.on_engine_thread(lambda engine: roofs.measure_roofs(source="the lab"))
+        finally:
+            self.calibrating = False
+        await asyncio.to_thread(roofs.save_calibration, measured)
+        return JSONResponse(machine_hardware())
 
     async def inspect(self, request: HTTPRequest) -> Response:
         if self.server.draining:

@@ -138,8 +138,8 @@ function latencyColour(gap, median) {
 }
 
 function median(xs) {
-  const s = [...xs].sort((a, b) => a - b);
-  return s.length ? s[Math.floor(s.length / 2)] : 0;
+  const s = [...xs].sort((a, b) => a - b), h = Math.floor(s.length / 2);
+  return s.length ? (s.length % 2 ? s[h] : (s[h - 1] + s[h]) / 2) : 0;
 }
 
 function renderGenStats(final) {
@@ -289,30 +289,230 @@ function renderAttention() {
     text.appendChild(span);
   });
   text.dataset.head = head;
-  // every head as one strip, and their average
-  const strips = $("att-heads");
-  strips.textContent = "";
-  const rows = d.attention.heads.map((r, h) => [String(h), `head ${h} (KV ${Math.floor(h / (d.n_heads / d.n_kv_heads))})`, r]);
-  rows.push(["average", "average", d.attention.average]);
-  for (const [key, name, r] of rows) {
-    const line = el("div", { class: key === head ? "strip current" : "strip" });
-    line.appendChild(el("span", { class: "strip-name" }, name));
-    const cells = el("span", { class: "strip-cells" });
-    r.forEach((p, j) => {
-      const c = el("span", { class: "cell", style: `background:${heat(p)}` });
-      c.title = `${name}, position ${j} ${JSON.stringify(d.tokens[j])}: ${(100 * p).toFixed(2)}%`;
-      cells.appendChild(c);
-    });
-    line.appendChild(cells);
-    line.addEventListener("click", () => {
-      $("in-head").value = key;
-      renderAttention();
-    });
-    strips.appendChild(line);
+  renderSinkLine(d);
+  renderAttentionMaps(d, head);
+}
+
+// --- the attention maps: scripts/attention.py's heatmaps and lines view, drawn in SVG (thumbnails on a canvas) ---
+// A matrix is [S][S] over the window of positions start..position (rows: queries, keys; zeros above the diagonal).
+function averageMatrix(heads) {
+  return heads[0].map((r, t) => r.map((_, j) => heads.reduce((a, h) => a + h[t][j], 0) / heads.length));
+}
+
+// As attention.py's view(): the future masked; position 0 kept, masked ("hide"), or masked with every row divided by
+// what the other positions get ("renormalise"; row 0 can read only position 0, so it is masked whole).
+function attentionView(att, first, start) {
+  const sink = start === 0 && first !== "show";            // position 0 is in the window only when start is 0
+  const v = att.map((r) => {
+    if (!sink || first !== "renormalise") return r.slice();
+    const rest = r.slice(1).reduce((a, b) => a + b, 0);
+    return r.map((p) => (rest > 0 ? p / rest : 0));
+  });
+  const masked = att.map((r, t) => r.map((_, j) => j > t || (sink && j === 0) || (sink && first === "renormalise" && t === 0)));
+  let top = 0;
+  v.forEach((r, t) => r.forEach((p, j) => { if (!masked[t][j]) top = Math.max(top, p); }));
+  return { v, masked, top: first === "show" ? 1 : top || 1 };
+}
+
+// white -> the accent blue, by sqrt(p / top) so that small weights show (as heat() does), opaque for SVG
+function heatRGB(x) {
+  const a = Math.sqrt(Math.min(Math.max(x, 0), 1));
+  return `rgb(${Math.round(255 - 218 * a)}, ${Math.round(255 - 156 * a)}, ${Math.round(255 - 20 * a)})`;
+}
+
+const SVGNS = "http://www.w3.org/2000/svg";
+function svg(tag, attrs = {}, text) {
+  const e = document.createElementNS(SVGNS, tag);
+  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, String(v));
+  if (text !== undefined) e.textContent = text;
+  return e;
+}
+
+const FIRST_TITLE = { show: "attention", hide: "attention, position 0 hidden",
+                      renormalise: "share of what is not on position 0" };
+
+function heatmapSVG(att, labels, start, first) {
+  const { v, masked, top } = attentionView(att, first, start);
+  const S = att.length, cell = Math.max(9, Math.min(18, Math.floor(560 / S)));
+  const font = Math.min(11, cell - 1), maxLabel = Math.max(...labels.map((l) => l.length));
+  const pad = Math.min(14 * 7, 12 + 7 * maxLabel);         // room for the labels, left and above
+  const W = pad + S * cell + 110, H = pad + S * cell + 40;
+  const root = svg("svg", { class: "heatmap", width: W, height: H, "data-first": first });
+  const defs = svg("defs");
+  const pat = svg("pattern", { id: "future", patternUnits: "userSpaceOnUse", width: 5, height: 5 });
+  pat.appendChild(svg("rect", { width: 5, height: 5, fill: "#e5e7eb" }));
+  pat.appendChild(svg("path", { d: "M0,5 L5,0", stroke: "#9ca3af", "stroke-width": 1 }));
+  defs.appendChild(pat);
+  const grad = svg("linearGradient", { id: "bar", x1: 0, y1: 1, x2: 0, y2: 0 });
+  for (let i = 0; i <= 10; i++) grad.appendChild(svg("stop", { offset: i / 10, "stop-color": heatRGB(i / 10) }));
+  defs.appendChild(grad);
+  root.appendChild(defs);
+  labels.forEach((l, t) => {
+    const y = pad + t * cell + cell / 2, x = pad + t * cell + cell / 2;
+    root.appendChild(svg("text", { class: "ylabel", x: pad - 4, y, "text-anchor": "end", "dominant-baseline": "middle",
+                                   "font-size": font, "data-pos": start + t }, l));
+    root.appendChild(svg("text", { class: "xlabel", x, y: pad - 4, transform: `rotate(-90 ${x} ${pad - 4})`,
+                                   "dominant-baseline": "middle", "font-size": font, "data-pos": start + t }, l));
+  });
+  const cells = svg("g", { class: "cells" });
+  for (let t = 0; t < S; t++) {
+    for (let j = 0; j < S; j++) {
+      const m = masked[t][j];
+      cells.appendChild(svg("rect", { class: m ? "hm-cell masked" : "hm-cell", x: pad + j * cell, y: pad + t * cell,
+                                      width: cell, height: cell, fill: m ? "url(#future)" : heatRGB(v[t][j] / top),
+                                      "data-q": start + t, "data-k": start + j, "data-p": m ? "" : v[t][j].toFixed(5) }));
+    }
   }
+  root.appendChild(cells);
+  // the colour bar, linear in the value shown, and what the hatching means
+  const bx = pad + S * cell + 18, by = pad, bh = Math.max(80, Math.min(S * cell, 260));
+  const bar = svg("g", { class: "colour-bar" });
+  bar.appendChild(svg("rect", { x: bx, y: by, width: 12, height: bh, fill: "url(#bar)", stroke: "#cbd5e1" }));
+  for (let i = 0; i <= 4; i++) {
+    const y = by + bh - (i / 4) * bh;
+    bar.appendChild(svg("line", { x1: bx + 12, x2: bx + 16, y1: y, y2: y, stroke: "#6b7785" }));
+    bar.appendChild(svg("text", { class: "tick", x: bx + 19, y, "dominant-baseline": "middle", "font-size": 10 },
+                        (top * i / 4).toFixed(2)));
+  }
+  bar.appendChild(svg("text", { class: "bar-label", x: bx, y: by + bh + 14, "font-size": 10 }, FIRST_TITLE[first]));
+  bar.appendChild(svg("rect", { x: bx, y: by + bh + 22, width: 12, height: 12, fill: "url(#future)" }));
+  bar.appendChild(svg("text", { class: "bar-label", x: bx + 16, y: by + bh + 32, "font-size": 10 }, "masked"));
+  root.appendChild(bar);
+  root.appendChild(svg("text", { class: "axis-title", x: pad, y: H - 8, "font-size": 11 },
+                       "rows: query position · columns: key position it attends to"));
+  root.addEventListener("mouseover", (e) => {
+    const c = e.target.dataset;
+    if (!c || c.q === undefined) return;
+    const q = Number(c.q), k = Number(c.k);
+    $("att-readout").textContent = `${q} ${JSON.stringify(inside.data.tokens[q])} → ${k} ` +
+      `${JSON.stringify(inside.data.tokens[k])}: ${c.p === "" ? "masked" : pct(Number(c.p))}`;
+  });
+  return root;
+}
+
+// bertviz's head view: the tokens twice, queries left and keys right, a line from each query to each key it attends
+// to, as thick and dark as the attention (over the largest value shown). Hover a query to see its lines alone.
+function linesSVG(att, labels, start, first) {
+  const { v, masked, top } = attentionView(att, first, start);
+  const S = att.length, rowH = 16, maxLabel = Math.max(...labels.map((l) => l.length));
+  const textW = Math.min(160, 10 + 7 * maxLabel), x1 = textW + 8, x2 = textW + 228;
+  const root = svg("svg", { class: "lines", width: x2 + textW + 16, height: S * rowH + 34, "data-first": first });
+  root.appendChild(svg("text", { class: "axis-title", x: x1, y: 12, "text-anchor": "end", "font-size": 11 }, "query"));
+  root.appendChild(svg("text", { class: "axis-title", x: x2, y: 12, "font-size": 11 }, "key"));
+  const y = (t) => 26 + t * rowH + rowH / 2;
+  const lines = svg("g");
+  for (let t = 0; t < S; t++) {
+    for (let j = 0; j <= t; j++) {
+      const w = masked[t][j] ? 0 : v[t][j] / top;
+      if (w <= 0.02) continue;                                   // attention.py's threshold: ~0 draws nothing
+      lines.appendChild(svg("line", { class: "att-line", x1, y1: y(t), x2, y2: y(j), stroke: "#2563eb",
+                                      "stroke-opacity": w.toFixed(3), "stroke-width": (0.4 + 3 * w).toFixed(2),
+                                      "data-q": start + t, "data-k": start + j, "data-p": v[t][j].toFixed(5) }));
+    }
+  }
+  root.appendChild(lines);
+  labels.forEach((l, t) => {
+    const q = svg("text", { class: "qlabel", x: x1 - 6, y: y(t), "text-anchor": "end", "dominant-baseline": "middle",
+                            "font-size": 11, "data-pos": start + t }, l);
+    q.addEventListener("mouseenter", () => {
+      root.classList.add("focus");
+      root.querySelectorAll(".att-line").forEach((e) => e.classList.toggle("on", Number(e.dataset.q) === start + t));
+      root.querySelectorAll(".klabel").forEach((e) => {
+        e.classList.toggle("on", [...root.querySelectorAll(".att-line.on")].some((l2) => l2.dataset.k === e.dataset.pos));
+      });
+    });
+    q.addEventListener("mouseleave", () => root.classList.remove("focus"));
+    root.appendChild(q);
+    root.appendChild(svg("text", { class: "klabel", x: x2 + 6, y: y(t), "dominant-baseline": "middle",
+                                   "font-size": 11, "data-pos": start + t }, l));
+  });
+  return root;
+}
+
+function thumbnail(att, first, start) {
+  const { v, masked, top } = attentionView(att, first, start);
+  const S = att.length, canvas = el("canvas", { width: String(S), height: String(S) });
+  const ctx = canvas.getContext("2d");
+  for (let t = 0; t < S; t++) {
+    for (let j = 0; j < S; j++) {
+      ctx.fillStyle = masked[t][j] ? "#e5e7eb" : heatRGB(v[t][j] / top);
+      ctx.fillRect(j, t, 1, 1);
+    }
+  }
+  return canvas;
+}
+
+function renderAttentionMaps(d, head) {
+  const m = d.attention.matrix, first = $("att-first").value, mode = $("att-view").value;
+  const labels = d.tokens.slice(m.start).map(visible);
+  const maps = m.heads.map((a, h) => [String(h), `head ${h} · KV ${Math.floor(h / (d.n_heads / d.n_kv_heads))}`, a]);
+  maps.push(["average", "average", averageMatrix(m.heads)]);
+  const thumbs = $("att-thumbs");
+  thumbs.textContent = "";
+  for (const [key, name, a] of maps) {
+    const t = el("button", { class: key === head ? "thumb current" : "thumb", "data-head": key, title: `${name}: click` });
+    t.appendChild(thumbnail(a, first, m.start));
+    t.appendChild(el("span", {}, name));
+    t.addEventListener("click", () => { $("in-head").value = key; renderAttention(); });
+    thumbs.appendChild(t);
+  }
+  const [, name, chosen] = maps.find(([key]) => key === head);
+  const big = $("att-big");
+  big.textContent = "";
+  big.appendChild(el("div", { class: "hint" }, `layer ${d.layer}, ${name}` + (m.start
+    ? ` · positions ${m.start}..${d.position} only (the maps keep the last ${chosen.length}; position 0 is not among them)`
+    : "")));
+  big.appendChild((mode === "lines" ? linesSVG : heatmapSVG)(chosen, labels, m.start, first));
+  big.dataset.head = head;
+  big.dataset.view = mode;
+}
+
+// One line on the attention sink, in this model's own numbers at this layer and position.
+function renderSinkLine(d) {
+  const line = $("sink-line"), heads = d.attention.heads, q = d.position;
+  if (q < 1) { line.textContent = ""; return; }
+  const onFirst = heads.map((r) => r[0]);                      // each head's weight on position 0
+  const mean = onFirst.reduce((a, b) => a + b, 0) / onFirst.length;
+  const most = onFirst.filter((p) => p > 0.5).length;
+  const norms = d.residual_norms, others = median(norms.slice(1));
+  line.dataset.toFirst = mean.toFixed(4);
+  line.dataset.normRatio = (norms[0] / others).toFixed(2);
+  line.textContent = `The attention sink: position ${q} puts ${pct(mean)} of its attention on position 0 ` +
+    `${JSON.stringify(d.tokens[0])} (the mean of the ${heads.length} heads of layer ${d.layer}; ${most} of them put ` +
+    `more than half there), and leaving this layer the residual stream at position 0 has norm ` +
+    `${norms[0].toFixed(0)}, ${(norms[0] / others).toFixed(1)}× the other positions' median (${others.toFixed(0)}). ` +
+    `Softmax must put each row's weight somewhere; a head with nothing to read parks it on position 0, whose value ` +
+    `is small: a near no-op. Hide position 0, or leave it out, to see what the heads do read.`;
+}
+
+$("att-first").addEventListener("change", () => inside.data && renderAttention());
+$("att-view").addEventListener("change", () => inside.data && renderAttention());
+
+// Punctuation, symbols or white space only: what the logit lens shows in the early layers.
+const PUNCTUATION = /^[\s\p{P}\p{S}]*$/u;
+
+// One line on why the lens shows punctuation, in this model's own numbers at this position.
+function renderLensLine(d) {
+  const tops = d.lens.map((row) => row.top[0]), L = tops.length;
+  const punct = tops.filter((t) => PUNCTUATION.test(t.text));
+  const seen = [...new Set(punct.map((t) => `'${visible(t.text)}'`))].slice(0, 4).join(" ");
+  const hit = tops.findIndex((t) => t.id === d.token.id);
+  let stays = L;
+  while (stays > 0 && tops[stays - 1].id === d.token.id) stays--;
+  const line = $("lens-line");
+  line.dataset.punctuation = String(punct.length);
+  line.dataset.firstHit = String(hit);
+  const token = JSON.stringify(d.token.text);
+  line.textContent = `In ${punct.length} of ${L} layers the lens's top guess is punctuation or a space` +
+    `${seen ? ` (${seen})` : ""}: the final norm and head were trained on the last layer's output, so an earlier ` +
+    `residual stream reads as its average direction, and the commonest next token of text is '.', ',' or a space ('\u2423'). ` +
+    (hit < 0 ? `${token} is never the top guess: sampling picked it from further down.`
+      : `${token} is first on top at layer ${hit} (${pct(tops[hit].prob)})` +
+        (stays < L && stays !== hit ? ` and stays there from layer ${stays}.` : "."));
 }
 
 function renderLens(d) {
+  renderLensLine(d);
   const table = $("lens");
   table.textContent = "";
   const head = el("tr");
@@ -438,6 +638,7 @@ function renderQueues(snap) {
 
 function renderTimeline(snap) {
   const box = $("timeline");
+  const atEnd = box.scrollLeft + box.clientWidth >= box.scrollWidth - 2;   // follow the newest step unless scrolled back
   box.textContent = "";
   const used = snap.timeline.flatMap((s) => Object.keys(s.slots).map(Number));
   const slots = Math.max(4, ...used.map((s) => s + 1));
@@ -457,14 +658,18 @@ function renderTimeline(snap) {
     box.appendChild(row);
   }
   if (!snap.timeline.length) box.appendChild(el("div", { class: "hint" }, "no steps yet"));
+  if (atEnd) box.scrollLeft = box.scrollWidth;
 }
 
+let lastSnapshot = null;          // the engine as last polled (the arithmetic view reads its step times)
 async function pollEngine() {
   try {
     const snap = await api("/lab/api/engine");
+    lastSnapshot = snap;
     renderPool(snap);
     renderQueues(snap);
     renderTimeline(snap);
+    renderMeasured();
     $("status").textContent = snap.running.length ? `running ${snap.running.length}` : "idle";
     $("status").className = "badge ok";
   } catch (e) {
@@ -521,14 +726,68 @@ async function pollMetrics() {
 }
 
 // --- 4. The arithmetic ------------------------------------------------------------------------------------------------
-let presets = null;
+let presets = null, lastCalc = null;
 const form = $("calc");
 
+// "this server": the served model's shape on this machine's hardware as calibrated (roofs.py, cached), when it is.
 function applyPreset(key) {
   const shape = presets.models[key];
-  for (const [k, v] of Object.entries({ ...shape, ...presets.hardware, ...presets.defaults })) {
+  const machine = key === "served" ? presets.machine.hardware : null;
+  for (const [k, v] of Object.entries({ ...shape, ...(machine || presets.hardware), ...presets.defaults })) {
     if (form.elements[k]) form.elements[k].value = String(v);
   }
+  form.dataset.preset = key;
+  form.dataset.hardware = machine ? "calibrated" : "seed";
+  renderMachine(key);
+}
+
+function renderMachine(key) {
+  const box = $("calc-machine"), m = presets.machine, c = m.calibration, hw = m.hardware;
+  box.hidden = key !== "served";
+  $("calc-measure").textContent = hw ? "measure again" : "measure this machine (seconds; the engine pauses)";
+  $("calc-machine-text").textContent = hw
+    ? `Hardware: this machine as ${c.source} measured it (${c.measured}, ${c.threads} thread${c.threads > 1 ? "s" : ""}): ` +
+      `read bandwidth ${hw.bandwidth_gbs.toFixed(1)} GB/s, float32 sgemm ${(hw.peak_tflops * 1e3).toFixed(0)} GFLOP/s, ` +
+      `${hw.memory_gib.toFixed(1)} GiB of RAM (cached in ${m.file}).`
+    : `${m.error || "This machine has not been measured yet"}: the hardware fields hold the seed's hypothetical ` +
+      `accelerator, far faster than this server. Measure it here, or run python scripts/capacity.py --calibrate.`;
+}
+
+async function measureMachine() {
+  const button = $("calc-measure");
+  button.disabled = true;
+  $("calc-machine-text").textContent = "Measuring the read bandwidth and the sgemm peak… (the engine pauses)";
+  try {
+    presets.machine = await api("/lab/api/calibrate", {});
+    applyPreset("served");
+    await recalc();
+  } catch (e) {
+    $("calc-machine-text").textContent = `The measurement failed: ${e.message}`;
+  } finally {
+    button.disabled = false;
+  }
+}
+
+// The step time this server measured: the median of the timeline's decode steps (every slot one token) at `batch`.
+function measuredStep(batch) {
+  const steps = (lastSnapshot ? lastSnapshot.timeline : []).filter((s) => {
+    const cells = Object.values(s.slots);
+    return cells.length === batch && s.tokens === batch && cells.every((c) => c.token);
+  });
+  return steps.length ? { seconds: median(steps.map((s) => s.duration)), count: steps.length } : null;
+}
+
+function renderMeasured() {
+  const row = document.querySelector("tr[data-row='decode step measured here']");
+  if (!row || !lastCalc) return;
+  const batch = Number(form.elements.batch.value), m = measuredStep(batch);
+  row.children[1].textContent = m ? ms(m.seconds) : "–";
+  row.children[2].textContent = m
+    ? `median of the last ${m.count} decode steps at batch ${batch} in the slot timeline: ` +
+      `${(m.seconds / lastCalc.decode_step_s).toFixed(1)}× the prediction above (Python, sampling, small kernels)`
+    : `no decode step at batch ${batch} among the timeline's last steps: generate something (batch 1) or send ` +
+      `requests at once`;
+  row.dataset.measured = m ? String(m.seconds) : "";
 }
 
 function calcValues() {
@@ -573,15 +832,25 @@ async function recalc() {
   try {
     const r = await api("/lab/api/capacity", calcValues());
     $("calc-error").hidden = true;
+    const verdict = $("calc-verdict");
+    verdict.textContent = r.fit.verdict;
+    verdict.className = `verdict ${r.fit.fits ? "fits" : "no-fit"}`;
+    verdict.dataset.fits = String(r.fit.fits);
+    r.warnings.forEach((w) => verdict.appendChild(el("span", { class: "warning" }, w)));
+    verdict.hidden = false;
     const table = $("calc-out");
     table.textContent = "";
-    for (const [name, fmt, how] of CALC_ROWS) {
+    const rows = form.dataset.preset === "served"
+      ? [...CALC_ROWS.slice(0, 6), ["decode step measured here", () => "–", ""], ...CALC_ROWS.slice(6)] : CALC_ROWS;
+    for (const [name, fmt, how] of rows) {
       const tr = el("tr", { "data-row": name });
       tr.appendChild(el("td", {}, name));
       tr.appendChild(el("td", { class: "num big" }, fmt(r)));
       tr.appendChild(el("td", { class: "muted" }, how));
       table.appendChild(tr);
     }
+    lastCalc = r;
+    renderMeasured();
   } catch (e) {
     $("calc-error").textContent = e.message;
     $("calc-error").hidden = false;
@@ -590,6 +859,7 @@ async function recalc() {
 
 form.addEventListener("input", () => { clearTimeout(calcTimer); calcTimer = setTimeout(recalc, 120); });
 $("calc-preset").addEventListener("change", () => { applyPreset($("calc-preset").value); recalc(); });
+$("calc-measure").addEventListener("click", measureMachine);
 
 async function initCalculator() {
   presets = await api("/lab/api/presets");
