@@ -7,7 +7,7 @@ import pytest
 import tinyllm
 from tinyllm import kernels, ops, quant
 from tinyllm.backend import NumpyOps
-from tinyllm.kernels import intdot, linear_kernels as lin, panel_kernels as panels, q4_kernels
+from tinyllm.kernels import int8_tiles_avx2, intdot, linear_kernels as lin, panel_kernels as panels, q4_kernels
 from tinyllm.kernels.weight_formats import kernel_weight
 
 RNG = np.random.default_rng(0)
@@ -46,9 +46,9 @@ def test_linear_panels_matches_numpy(fmt, M, O, I):
 @pytest.mark.parametrize("M", [1, 2, 3, 7, 8, 9, 17, 64, 130])
 @pytest.mark.parametrize("O, I", [(1, 32), (33, 64), (130, 96), (7, 1536), (5, 544)])
 def test_linear_with_int8_inputs_matches_numpy(fmt, M, O, I):
-    """Weights that multiply int8-rounded inputs: the integer (VNNI) kernels below TILE_MIN_ROWS rows, the tiled
-    float kernels on the rounded rows above (the integer tiles past FEW_TOKENS rows, with VNNI),
-    BLAS beyond SMALL_M rows, all against NumpyOps.linear."""
+    """Weights that multiply int8-rounded inputs: the integer dot kernels below TILE_MIN_ROWS rows, the integer
+    tiles from INTEGER_TILES_FROM rows (17 with VNNI, 8 with AVX2: run under TINYLLM_ISA=avx2 too), else the tiled
+    float kernels on the rounded rows, BLAS beyond SMALL_M rows, all against NumpyOps.linear."""
     w = RNG.normal(0, 0.1, (O, I)).astype(np.float32)
     x = RNG.normal(0, 1, (M, I)).astype(np.float32)
     x[:, :3] *= 20                                                    # an outlier block, as real activations have
@@ -93,13 +93,16 @@ def test_integer_kernels_match_the_float_kernels_on_rounded_inputs(fmt, I, int_d
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.skipif(not kernels.HAVE_VNNI, reason="this CPU has no AVX-512 VNNI")
+@pytest.mark.parametrize("isa", [pytest.param(isa, marks=pytest.mark.skipif(
+    isa not in int8_tiles_avx2.TILES, reason=f"this CPU has no {isa}")) for isa in ("vnni", "avx2")])
 @pytest.mark.parametrize("fmt", KERNEL_FORMATS)
 @pytest.mark.parametrize("O, I", [(16, 64), (21, 96), (48, 576), (35, 1536)])
-def test_integer_panels_and_tiles_equal_their_reference_bodies(fmt, O, I):
+def test_integer_panels_and_tiles_equal_their_reference_bodies(fmt, O, I, isa):
     """int8_tiles.py's contract: the IR panel (16 whole rows and I a multiple of 64; otherwise the plain loops run)
-    and the IR tile against their plain bodies, a tile written at an offset into a larger output and nowhere else,
-    and against the float product of the rounded rows; the last panel short (rows past O zero)."""
+    and the IR tile of each instruction set the host has (VNNI, AVX2) against their plain bodies, a tile written
+    at an offset into a larger output and nowhere else, and against the float product of the rounded rows; the
+    last panel short (rows past O zero). The ends of AVX2's 16-bit sums are in: int8 weights -128 against inputs
+    +-127 (2 x 128 x 127 a pair), a 4-bit block of 15s against 32 inputs of 127 (8 x 2 x 15 x 127 in one sum)."""
     from numba import njit
     from tinyllm.kernels import int8_tiles
 
@@ -107,7 +110,7 @@ def test_integer_panels_and_tiles_equal_their_reference_bodies(fmt, O, I):
     def pack(q, o0, panel):
         int8_tiles.pack_words(q, o0, panel)
 
-    cols, int8_tile, four_bit = int8_tiles.TILE_COLS, int8_tiles.int8_tile, fmt == "q4_1"
+    (int8_tile, cols), four_bit = int8_tiles_avx2.TILES[isa], fmt == "q4_1"
 
     @njit
     def tile(panel, scales, minimums, xq, xcorr, xs, xsum, c0, out, m0, o0):
@@ -117,8 +120,13 @@ def test_integer_panels_and_tiles_equal_their_reference_bodies(fmt, O, I):
     qw = quant.quantize(rng.normal(0, 0.1, (O, I)).astype(np.float32), fmt)
     x = rng.normal(0, 1, (11, I)).astype(np.float32)
     x[3, :5] *= 40                                                    # an outlier block
-    xq, xcorr, xs, xsum = panels.tile_inputs(x, cols)                 # 11 rows padded to 2 tiles
-    assert xq.shape[0] == 2 * cols and not xq[11:].any() and not xs[11:].any()
+    x[0, :64], x[1, :64] = 2.0, -2.0                                  # inputs 127 and -127 in blocks 0-1
+    if four_bit:
+        qw.packed[0, :16] = 0xFF                                      # block 0 of row 0: every value 15
+    else:
+        qw.arrays[0][0, :64] = -128
+    xq, xcorr, xs, xsum = panels.tile_inputs(x, cols)                 # 11 rows padded to whole tiles
+    assert xq.shape[0] == -(-11 // cols) * cols and not xq[11:].any() and not xs[11:].any()
     want_q, _, want_s = lin.quantize_rows(x)                          # rounded as everywhere else
     np.testing.assert_array_equal(xq[:11], want_q)
     np.testing.assert_array_equal(xs[:11], want_s)
@@ -141,7 +149,7 @@ def test_integer_panels_and_tiles_equal_their_reference_bodies(fmt, O, I):
             if O - o0 >= 16:
                 pack(q, o0, want)
         np.testing.assert_array_equal(panel, want)
-        for c0 in (0, cols):
+        for c0 in range(0, xq.shape[0], cols):                        # each tile, the last one padded
             got, ref = np.full((20, 40), np.nan, np.float32), np.full((20, 40), np.nan, np.float32)
             tile(panel, scales, minimums, xq, xcorr, xs, xsum, c0, got, 3, 7)
             int8_tiles.int8_tile_reference(panel, scales, minimums, xq, xcorr, xs, xsum, c0, ref, 3, 7, cols,

@@ -9,12 +9,14 @@ twin in ops.py and a parity test (tests/test_kernels.py). The files, in the orde
     q4_kernels.py         the same for 4-bit (Q4_1) weights
     kquant_kernels.py     Q4_K's super-blocks read as they are, int8 inputs (not wired in yet: q4_k runs as Q4_1)
     panel_kernels.py      a prompt chunk's linears: weight rows prepared once as panels, products in register tiles
+    isa.py                which instructions they compile for: the host's, or AVX2 forced (TINYLLM_ISA=avx2)
     intdot.py             integer dot products (AVX-512 VNNI or AVX2, LLVM IR), their written contract, plain twins
     pointwise.py          RMSNorm, RoPE, SwiGLU
     attention_kernels.py  decode (flash-decoding) and paged (PagedAttention) attention
     prefill_attention.py  prompt chunks against a long cache: query blocks x key blocks, online softmax
     register_tiles.py     small matrix products, the sums held in registers (LLVM IR): prefill's attention, linears
     int8_tiles.py         a prompt chunk's quantized linears in integer register tiles (VNNI, LLVM IR)
+    int8_tiles_avx2.py    the same tiles in AVX2's instructions
     kv_formats.py         the KV cache's stored formats (float32, float16, int8) as the kernels read and write them
     kv_rows.py            decode attention's inner steps on one cached row for a KV head's query heads; plain twins
     kv_rows_ir.py         the same steps in LLVM IR
@@ -33,6 +35,7 @@ from __future__ import annotations
 import sys
 
 from .. import ops
+from . import isa  # noqa: F401  (first: TINYLLM_ISA=avx2 sets Numba's target before any kernel compiles)
 from . import disk_cache
 
 disk_cache.install()    # before any kernel is defined: cached kernels are checked against all of their sources

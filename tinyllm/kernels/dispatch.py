@@ -5,9 +5,9 @@
                          (see linear_into)
     .. SMALL_M           the same (panel_kernels.py from         tiled_causal_attention (prefill_attention.py)
                          PANEL_MIN_ROWS, fp32 and 4-bit, and
-                         int8 without AVX-512; with int8 inputs
-                         and VNNI, from FEW_TOKENS + 1: the
-                         integer tiles of int8_tiles.py)
+                         int8 without AVX-512; with int8 inputs,
+                         from INTEGER_TILES_FROM: the integer
+                         tiles, VNNI's or AVX2's)
     more                 BLAS sgemm (blas.py)                    numpy (backend.NumpyOps.attention)
 
 A prompt longer than SMALL_M tokens is prefilled in chunks of PREFILL_CHUNK (model.prefill), so it stays in the
@@ -42,16 +42,19 @@ SMALL_M = 128     # up to this many rows the Numba linears beat BLAS (docs/desig
 FEW_TOKENS = 16   # up to this many query tokens attention splits over positions (decode, verification)
 FUSED_ROWS = 0 if config.DISABLE_JIT else FEW_TOKENS   # the fused block needs compiled code (linear_into)
 PREFILL_CHUNK = SMALL_M   # a longer prompt is prefilled in chunks this long: every pass stays in these kernels
+# from this many rows with int8 inputs, the integer tiles (VNNI: past FEW_TOKENS; AVX2, whose row dots cost two
+# instructions per vpdpbusd, from TILE_MIN_ROWS: a batch of 8 too; docs/design/kernels.md, "Prompt chunks")
+INTEGER_TILES_FROM = FEW_TOKENS + 1 if intdot.INT_DOTS == "vnni" else TILE_MIN_ROWS
 
 
 # --- linear -----------------------------------------------------------------------------------------------------
 def linear_into(w, x, out, int8_inputs: bool, int_dots: bool) -> None:
     """out [M, O] = x [M, I] times the weight w (a weight_formats named tuple), M <= SMALL_M. int8_inputs: round x to
     int8 blocks first (quantized weights only); int_dots: whether the integer dot products may use their vector
-    versions (intdot.USE_INT_DOTS); the integer tiles of a prompt chunk need VNNI (intdot.USE_VNNI).
+    versions (intdot.USE_INT_DOTS), as may the integer tiles of a prompt chunk.
     This Python body is what `linear` runs (so a first run compiles only the kernels it meets); compiled callers
     (the fused block) get the overload below: the same rule, specialised to the format when they compile, for
-    their at most FEW_TOKENS rows (fewer than the integer tiles start at: a block compiles no tile kernel)."""
+    their at most FEW_TOKENS rows (a block compiles no integer tile: from TILE_MIN_ROWS it takes the float tiles)."""
     few, many, integer = ((linear_q4, linear_q4, linear_q4_a8) if isinstance(w, Q4Weight)
                           else (linear_rows, linear_tiled, linear_int8_a8))
     if x.shape[0] >= PANEL_MIN_ROWS and (not isinstance(w, INT8) or PANELS_FOR_INT8):   # a prompt chunk (int8:
@@ -59,7 +62,7 @@ def linear_into(w, x, out, int8_inputs: bool, int_dots: bool) -> None:
     rounded = int8_inputs and isinstance(w, QUANTIZED)
     if rounded and x.shape[0] < TILE_MIN_ROWS:                           # a few rows: integer dot products
         integer(w, x, out, int_dots)
-    elif rounded and intdot.USE_VNNI and x.shape[0] > FEW_TOKENS and x.shape[1] % BLOCK == 0:
+    elif rounded and intdot.USE_INT_DOTS and x.shape[0] >= INTEGER_TILES_FROM and x.shape[1] % BLOCK == 0:
         linear_integer_panels(w, x, out)                                 # many rows: integer tiles
     else:                                                                # float kernels (on the rounded rows)
         (few if x.shape[0] < TILE_MIN_ROWS else many)(w, round_rows(x) if rounded else x, out)

@@ -29,8 +29,8 @@ xsum [C, I/32] = xs times each block's sum of xq (what a minimum multiplies).
         cols and with_minimums compile-time constants.
 
 `int8_tile_reference` is that contract in plain loops (NUMBA_DISABLE_JIT=1, and what the tests hold the IR to).
-The IR needs VNNI: dispatch sends prompt chunks here only where intdot.USE_VNNI holds. Why: docs/design/kernels.md,
-"Prompt chunks".
+The tile's IR here needs VNNI; int8_tiles_avx2.py has the same contract in AVX2 and says which tile runs. Why:
+docs/design/kernels.md, "Prompt chunks".
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from numba import config, njit, types
 from numba.extending import intrinsic
 
 from ..quant import BLOCK
-from .intdot import HAVE_VNNI
+from .intdot import HAVE_VNNI, INT_DOTS
 from .numerics import SERIAL
 
 PANEL_ROWS = 16      # weight rows per panel: one int32 lane each
@@ -124,7 +124,7 @@ def int8_tile_reference(panel, scales, minimums, xq, xcorr, xs, xsum, c0, out, m
 
 int8_tile = int8_tile_reference
 
-if HAVE_VNNI:
+if INT_DOTS and not config.DISABLE_JIT:          # the tile's IR needs VNNI; the panel's is plain vectors
     from llvmlite import ir
     from numba.core import cgutils
 
@@ -237,5 +237,6 @@ if HAVE_VNNI:
         return (types.none(panel, scales, minimums, xq, xcorr, xs, xsum, c0, out, m0, o0, cols, with_minimums),
                 _tile_codegen(cols.literal_value, with_minimums.literal_value))
 
-    if not config.DISABLE_JIT:
-        int8_tile, pack_words = _int8_tile_ir, _pack_words_ir
+    pack_words = _pack_words_ir
+    if HAVE_VNNI:
+        int8_tile = _int8_tile_ir

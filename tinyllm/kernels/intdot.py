@@ -46,27 +46,27 @@ arithmetic than reading it, so dot_q4_blocks meets the nibbles' two products in 
 before widening them, as llama.cpp's AVX2 kernels do, adds each block's 4 lanes in integers (two shuffles and adds
 per four blocks), and scales one sum per block (docs/design/kernels.md, "AVX-512 VNNI against AVX2"). `Q4_BY_BLOCKS` says which
 of the two the kernels call.
-`USE_INT_DOTS` is what the dispatch passes as `int_dots` to the kernels that call these; the environment variable
-TINYLLM_NO_VNNI=1 forces the reference bodies on any CPU. `USE_VNNI` says whether int8_tiles.py's integer tiles
-and kv_rows.py's VNNI rows may run (they have no AVX2 version).
+`USE_INT_DOTS` is what the dispatch passes as `int_dots` to the kernels that call these (and whether the integer
+tiles of int8_tiles.py / int8_tiles_avx2.py run); the environment variable TINYLLM_NO_VNNI=1 forces the reference
+bodies on any CPU. `USE_VNNI` says whether kv_rows.py's VNNI rows may run (they have no AVX2 version). The
+instruction set is the compile target's: TINYLLM_ISA=avx2 (isa.py) builds the AVX2 versions on an AVX-512 CPU.
 """
 from __future__ import annotations
 
 import os
 
-import llvmlite.binding as llvm
 import numpy as np
 from llvmlite import ir
-from numba import config, njit, types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..quant import BLOCK
+from .isa import FEATURES
 from .llvm_ir import call, lane_total, prefetch
 from .numerics import SERIAL
 
-_HOST = (set() if config.DISABLE_JIT or config.CPU_NAME                # (a portable build targets no host features)
-         else {f[1:] for f in llvm.get_host_cpu_features().flatten().split(",") if f.startswith("+")})
+_HOST = FEATURES                                                       # the target's (isa.py: TINYLLM_ISA)
 HAVE_VNNI = {"avx512vnni", "avx512vl"} <= _HOST
 HAVE_AVX2 = "avx2" in _HOST
 INT_DOTS = "vnni" if HAVE_VNNI else "avx2" if HAVE_AVX2 else None      # the instructions dot_* below are written in

@@ -3,8 +3,8 @@ once as a panel and every input row meets it in register tiles.
 
   * float inputs, any format: `linear_panels` dequantizes PANEL_ROWS weight rows to float32 and multiplies them
     in register_tiles.py's tiles;
-  * inputs rounded to int8 blocks (VNNI only): `linear_integer_panels` interleaves 16 int8 (or 4-bit) weight rows
-    into a panel and multiplies it by the rounded rows in int8_tiles.py's integer tiles.
+  * inputs rounded to int8 blocks (VNNI or AVX2): `linear_integer_panels` interleaves 16 int8 (or 4-bit) weight
+    rows into a panel and multiplies it by the rounded rows in integer tiles (int8_tiles.py, int8_tiles_avx2.py).
 Left out: a few rows (linear_kernels.py, q4_kernels.py) and when a chunk comes here (dispatch.py).
 """
 from __future__ import annotations
@@ -15,7 +15,9 @@ from numba.extending import overload
 
 from ..quant import BLOCK
 from .int8_tiles import PANEL_ROWS as INT8_PANEL_ROWS
-from .int8_tiles import TILE_COLS, int8_tile, pack_panel, pack_q4_panel
+from .int8_tiles import pack_panel, pack_q4_panel
+from .int8_tiles_avx2 import INTEGER_TILE as int8_tile
+from .int8_tiles_avx2 import TILE_COLS
 from .linear_kernels import quantize_rows, row_scale, weight_at
 from .numerics import PARALLEL
 from .q4_kernels import nibbles
@@ -187,7 +189,7 @@ def q4_panels_into(w, xq, xcorr, xs, xsum, out):
 
 def linear_integer_panels(w, x, out):
     """w: an Int8Weight, Int8BlockWeight or Q4Weight [O, I], I a multiple of 32; x [M, I] -> out [M, O]: a prompt
-    chunk rounded to int8 blocks and multiplied in int8_tiles.py's integer register tiles (VNNI only)."""
+    chunk rounded to int8 blocks and multiplied in the target's integer register tiles (VNNI or AVX2)."""
     (q4_panels_into if isinstance(w, Q4Weight) else int8_panels_into)(w, *tile_inputs(x, TILE_COLS), out)
 
 

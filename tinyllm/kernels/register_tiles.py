@@ -25,20 +25,19 @@ hold the IR to. The IR uses only generic vector operations, so it compiles for a
 from __future__ import annotations
 
 import numpy as np
-import llvmlite.binding as llvm
 from llvmlite import ir
 from numba import config, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .isa import FEATURES
 from .llvm_ir import call
 from .numerics import SERIAL
 
 LANES = 16           # float32 values per vector (one AVX-512 register)
 TILE_ROWS = 8        # `product`'s rows of C come in multiples of this
 # 32 vector registers of 16 floats (AVX-512), or fewer and narrower: which tiles `product` takes
-WIDE = (not config.DISABLE_JIT and not config.CPU_NAME
-        and "+avx512f" in llvm.get_host_cpu_features().flatten().split(","))
+WIDE = "avx512f" in FEATURES                 # (isa.py: none under NUMBA_DISABLE_JIT, AVX2's with TINYLLM_ISA=avx2)
 
 
 @njit(**SERIAL)
