@@ -39,8 +39,9 @@ _V8i32, _V8f32 = ir.VectorType(_i32, HALF), ir.VectorType(_f32, HALF)
 
 def _tile_codegen(cols: int, with_minimums: bool):
     def codegen(context, builder, signature, args):
-        panel, scales, minimums, xq, xs, xsum, out = (
-            cgutils.create_struct_proxy(signature.args[i])(context, builder, value=args[i]) for i in (0, 1, 2, 3, 5, 6, 8))
+        panel, scales, minimums, xq, xs, xsum, out = (                            # (xcorr, args[4], unread)
+            cgutils.create_struct_proxy(signature.args[i])(context, builder, value=args[i])
+            for i in (0, 1, 2, 3, 5, 6, 8))
         c0, m0, o0 = (context.cast(builder, args[i], signature.args[i], types.int64) for i in (7, 9, 10))
         out_width = cgutils.unpack_tuple(builder, out.shape, 2)[1]
         width = cgutils.unpack_tuple(builder, xq.shape, 2)[1]                      # I
