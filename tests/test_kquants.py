@@ -54,6 +54,14 @@ def test_q4_k_file_blocks_repack_exactly():
     np.testing.assert_array_equal(q4_k_bytes(qw), raw)                               # and back to the same bytes
 
 
+def test_q5_0_file_blocks_repack_exactly_as_int8_blocks():
+    """A file's Q5_0 blocks kept natively: whole numbers in [-16, 15] and the block's scale, ggml's values."""
+    raw = random_blocks("Q5_0", 3 * 18, np.random.default_rng(6)).reshape(3, -1)     # 3 rows of 576
+    qw = quant.from_gguf_block(raw.ravel(), "Q5_0", (3, 576))
+    assert isinstance(qw, quant.Int8Block) and qw.q.min() >= -16 and qw.q.max() <= 15
+    assert_bits_equal(qw.dequantize(), reference(raw, "Q5_0"))
+
+
 def test_q4_k_quantizer_writes_ggmls_format_and_beats_q4_1():
     w = np.random.default_rng(2).normal(0, 0.05, (32, 512)).astype(np.float32)
     qw = quant.quantize_q4_k(w)
@@ -160,3 +168,47 @@ def test_native_q4_k_kernel_matches_its_numpy_twin():
         linear_q4_a8(kernel_weight(w), x, bridge, intdot.USE_INT_DOTS)            # the Q4_1 arrays it equals
         # the same products and sums; fastmath may order a float sum differently in each compile (seen: 1 ulp)
         np.testing.assert_allclose(out, bridge, rtol=1e-6, atol=1e-6 * np.abs(bridge).max())
+
+
+# --- a Q4_K_M-like file: its layers mix formats --------------------------------------------------------------------
+MIXED_CHECK = """
+import numpy as np
+from numba.core.registry import CPUDispatcher
+import tinyllm
+from tinyllm.kernels import attention_kernels, block, dispatch, intdot, linear_kernels, panel_kernels, pointwise, q4_kernels
+from tiny_gguf import tiny_llama
+
+def signatures():
+    modules = (attention_kernels, block, dispatch, intdot, linear_kernels, panel_kernels, pointwise, q4_kernels)
+    return {(mod.__name__, name, sig) for mod in modules for name, f in vars(mod).items()
+            if isinstance(f, CPUDispatcher) for sig in f.signatures}
+
+types = {f"blk.{i}.{name}.weight": "Q5_0" for i in range(2) for name in ("attn_q", "attn_k", "attn_v", "attn_output",
+                                                                         "ffn_gate", "ffn_up")}
+types |= {"blk.0.ffn_down.weight": "Q4_K", "blk.1.ffn_down.weight": "Q6_K", "token_embd.weight": "Q8_0"}
+tiny_llama(PATH, dim=256, n_heads=4, n_kv_heads=2, ffn=256, types=types)
+m = tinyllm.load(PATH, quant="native", activations="int8")
+kinds = {tuple(type(w).__name__ for w in (l.wqkv, l.wo, l.w_in, l.w_out)) for l in m.layers}
+assert kinds == {("Int8Block",) * 3 + ("Q4KBlock",), ("Int8Block",) * 3 + ("ndarray",)}, kinds
+before = signatures()
+cache = m.new_cache(32)
+m.prefill([1, 72, 101, 108], cache)
+for t in (108, 111, 44):
+    m.decode_step(t, cache)
+new = signatures() - before
+assert not new, new
+"""
+
+
+@pytest.mark.slow
+def test_a_file_mixing_formats_in_a_layer_compiles_nothing_mid_request(tmp_path):
+    """Q4_K_M's layers: Q5_0 matrices (kept as int8 blocks) beside a Q4_K or Q6_K ffn_down. Warm-up compiles the
+    fused block of each kind of layer the model has, so a first decode compiles nothing. In a fresh process:
+    signatures compiled by earlier tests would hide a gap."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = f"PATH = {str(tmp_path / 'mixed.gguf')!r}\n" + MIXED_CHECK
+    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]

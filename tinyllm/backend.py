@@ -106,7 +106,7 @@ class NumbaBackend:
     def warm_up(self, model, kv_dtype: str = "float32") -> float:
         """Compile (or load from Numba's disk cache) the kernels of this model's weight formats, activations setting
         and a cache of kv_dtype, so that no step pays for it (a no-op for what is warm already). -> seconds"""
-        blocks = {type(w) for layer in model.layers for w in (layer.wqkv, layer.wo, layer.w_in, layer.w_out)}
+        blocks = {tuple(type(w) for w in (layer.wqkv, layer.wo, layer.w_in, layer.w_out)) for layer in model.layers}
         heads = (model.config.head_dim, model.config.kv_mul)          # what attention compiles code for
         return self.kernels.warmup(blocks, {type(model.lm_head)}, model.int8_inputs, model.has_fusable_blocks,
                                    kv_dtype, heads)

@@ -15,7 +15,7 @@ from .checkpoint import CheckpointError, check_shapes, config_number, fold_scale
 from .config import ModelConfig
 from .gguf import GGUFError, GGUFFile
 from .ops import alibi_slopes
-from .quant import QuantizedWeight, from_gguf_block
+from .quant import NATIVE_TYPES, QuantizedWeight, from_gguf_block
 from .tokenizer import Tokenizer
 
 _GGUF_NAMES = {  # GGUF tensor name -> canonical name ({i} = layer)
@@ -72,7 +72,7 @@ def tensor_names(config: ModelConfig) -> dict[str, str]:
     return names
 
 # The file's matrix types repacked without loss (quant.from_gguf_block) instead of dequantized, per quant setting
-KEPT_AS_STORED = {"native": ("Q4_1", "Q8_0", "Q4_K"), "q4_1": ("Q4_1",), "q4_k": ("Q4_K",)}
+KEPT_AS_STORED = {"native": NATIVE_TYPES, "q4_1": ("Q4_1",), "q4_k": ("Q4_K",)}
 
 
 def gguf_config(gg: GGUFFile) -> ModelConfig:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .kquants import f16, k4_scales, k4_values
+from .kquants import bits, f16, k4_scales, k4_values, nibbles_split
 
 BLOCK = 32
 SUPER = 8   # q4_k: blocks of 32 per super-block (256 values, as ggml's QK_K)
@@ -305,7 +305,9 @@ def quantization_error(w: np.ndarray, qw: QuantizedWeight) -> tuple[float, float
 
 
 def from_gguf_block(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantizedWeight:
-    """Repack a GGUF Q4_1, Q8_0 or Q4_K tensor's bytes into planar arrays, exactly (f16 scales widen to f32)."""
+    """Repack a GGUF Q4_1, Q8_0, Q5_0 or Q4_K tensor's bytes into planar arrays, exactly (f16 scales widen to f32).
+    Q5_0's 5-bit values minus 16 are whole numbers in [-16, 15] times one scale per 32: an int8 block, exactly
+    (8 bits where the file spends 5, the price of running on the int8 kernels)."""
     O, I = shape
     if type_name == "Q4_K":
         blocks = raw.reshape(-1, 144)                                                # [O * I/256, 144 bytes]
@@ -324,4 +326,11 @@ def from_gguf_block(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> 
         d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
         q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(O, I)
         return Int8Block(q, d)
-    raise ValueError(f"GGUF type {type_name} has no native tinyllm format (native: Q4_1, Q8_0, Q4_K)")
+    if type_name == "Q5_0":
+        blocks = raw.reshape(-1, 22)                                                 # [O * I/32, 22 bytes]
+        q = nibbles_split(blocks[:, 6:22]) | (bits(blocks[:, 2:6], 32) << 4)        # [O * I/32, 32] in [0, 31]
+        return Int8Block((q.astype(np.int8) - np.int8(16)).reshape(O, I), f16(blocks, 0).reshape(O, I // BLOCK))
+    raise ValueError(f"GGUF type {type_name} has no native tinyllm format (native: {', '.join(NATIVE_TYPES)})")
+
+
+NATIVE_TYPES = ("Q4_1", "Q8_0", "Q5_0", "Q4_K")   # the GGUF types from_gguf_block repacks

@@ -51,26 +51,40 @@ def _matrix(fmt: str | None, rows: int, cols: int = BLOCK):
     return w if fmt is None else quantize(w, fmt)
 
 
-def _block_arguments(fmt: str | None, kv_dtype: str, heads: tuple) -> tuple:
-    """A small block's arguments, typed and laid out as the model passes them: weights of fmt, a cache of kv_dtype,
-    attention heads like the model's (heads: its head size and query heads per KV head)."""
+def _layer_formats(layer) -> str | None | tuple:
+    """A layer's weight formats, from its classes (one class: all four matrices of it; a tuple: wqkv's, wo's, w_in's,
+    w_out's) -> one format name when the four agree, else the tuple of four (a file's mix, e.g. Q4_K_M's)."""
+    fmts = tuple(FORMATS[t] for t in layer) if isinstance(layer, (tuple, list)) else (FORMATS[layer],) * 4
+    return fmts[0] if len(set(fmts)) == 1 else fmts
+
+
+def _each_matrix(fmt) -> tuple:
+    """A layer's formats (_layer_formats) as four, wqkv's first: (fmt,) * 4 for one format."""
+    return tuple(fmt) if isinstance(fmt, (tuple, list)) else (fmt,) * 4
+
+
+def _block_arguments(fmt, kv_dtype: str, heads: tuple) -> tuple:
+    """A small block's arguments, typed and laid out as the model passes them: weights of fmt (one format, or the
+    layer's four: _layer_formats), a cache of kv_dtype, attention heads like the model's (heads: its head size and
+    query heads per KV head)."""
     H, KVH, Dh = _dummy_heads(heads, kv_dtype)                      # D = 32: one block wide
     x, norm, trig = np.ones((1, BLOCK), np.float32), np.ones(BLOCK, np.float32), np.ones((1, Dh // 2), np.float32)
     kv = kv_storage((4, KVH, Dh), kv_dtype)                         # [S_max, KVH, Dh]
     (k, k_scales), (v, v_scales) = kernel_operands(kv), kernel_operands(kv)
     shapes = (((H + 2 * KVH) * Dh, BLOCK), (BLOCK, H * Dh), (2 * BLOCK, BLOCK), (BLOCK, BLOCK))   # [O, I] each
-    mats = [tuple(kernel_weight(_matrix(fmt, rows, cols))) for rows, cols in shapes]   # (plain, as block.py takes them)
+    mats = [tuple(kernel_weight(_matrix(f, rows, cols)))                     # (plain, as block.py takes them)
+            for f, (rows, cols) in zip(_each_matrix(fmt), shapes)]
     return (x, norm, norm, *mats, intdot.USE_INT_DOTS, k, k_scales, v, v_scales, 0, trig, trig, H, 1e-5,
             row_shape_of(k, k_scales, H // KVH))
 
 
-def _warm_decode_block(fmt: str | None, int8_inputs: bool, kv_dtype: str, heads: tuple, kinds=("plain", "threaded")):
-    """The fused blocks of `kinds` (block.py: "plain", "threaded") for weights of fmt, an activations setting, a
-    cache of kv_dtype, and attention heads like the model's."""
+def _warm_decode_block(fmt, int8_inputs: bool, kv_dtype: str, heads: tuple, kinds=("plain", "threaded")):
+    """The fused blocks of `kinds` (block.py: "plain", "threaded") for weights of fmt (_layer_formats), an
+    activations setting, a cache of kv_dtype, and attention heads like the model's."""
     args = _block_arguments(fmt, kv_dtype, heads)
     if "plain" in kinds:
         BLOCKS[int8_inputs](*args)
-    if "threaded" in kinds and fmt is not None:                   # (quantized weights only: block.decode_blocks)
+    if "threaded" in kinds and _each_matrix(fmt)[0] is not None:    # (a quantized wqkv only: block.decode_blocks)
         THREADED_BLOCKS[int8_inputs](*args, new_state(), numba.get_num_threads())
 
 
@@ -78,7 +92,7 @@ def _threaded_in_the_cache(blocks) -> bool:
     """Whether Numba's disk cache holds the threaded block for every (fmt, int8 activations, kv_dtype, heads) in
     `blocks` (calling it then loads its code instead of compiling it: ~9 s)."""
     for fmt, int8_inputs, kv_dtype, heads in blocks:
-        if fmt is None:                                             # fp32 runs the plain block
+        if _each_matrix(fmt)[0] is None:                           # fp32 runs the plain block
             continue
         kernel = THREADED_BLOCKS[int8_inputs]
         signature = tuple(kernel.typeof_pyval(a) for a in (*_block_arguments(fmt, kv_dtype, tuple(heads)),
@@ -127,19 +141,23 @@ def _warm_rope() -> None:
 def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False, fused: bool = True,
            kv_dtype: str = "float32", heads: tuple = (64, 1)) -> float:
     """Compile (or load from Numba's cache) what a model needs, and nothing else, so that a first run compiles only
-    its own format: for its blocks' weight classes (`matrix_types`) the one-row, tiled and prompt-chunk linears and (if
-    `fused`) the one-call block; for its output head's class (`head_types`) the one-row linear (the head sees one
-    row per sequence: its tiled kernel waits for batches, warmup_paged); all for its activations setting
+    its own format: for its blocks' weight classes (`matrix_types`: classes, or a tuple of four per kind of layer,
+    wqkv's, wo's, w_in's, w_out's, where a file mixes formats in a layer) the one-row, tiled and prompt-chunk linears
+    and (if `fused`) the one-call block of each kind of layer; for its output head's class (`head_types`) the
+    one-row linear (the head sees one row per sequence: its tiled kernel waits for batches, warmup_paged); all for its activations setting
     (int8_inputs) and a KV cache of kv_dtype; attention for `heads` (the model's head size and query heads per KV
     head: kv_rows.py compiles code for them) and the small ops. -> seconds it took."""
     global _threaded_helper
     t0 = time.perf_counter()
-    matrices, head_formats = {FORMATS[t] for t in matrix_types}, {FORMATS[t] for t in head_types}
+    layers = {_layer_formats(t) for t in matrix_types}
+    matrices = {f for fmt in layers for f in _each_matrix(fmt)}
+    head_formats = {FORMATS[t] for t in head_types}
     int8_inputs_of = {fmt: int8_inputs and fmt is not None for fmt in matrices | head_formats}   # quantized only
     batched = any(key[0] == "paged" for key in _done)                         # a pool exists: heads see batches
     heads = tuple(heads)
-    blocks = [(fmt, int8_inputs_of[fmt], kv_dtype, heads) for fmt in matrices
-              if fused and FUSED_ROWS and ("block", fmt, int8_inputs_of[fmt], kv_dtype, heads) not in _done]
+    layer_int8 = {fmt: int8_inputs and any(f is not None for f in _each_matrix(fmt)) for fmt in layers}
+    blocks = [(fmt, layer_int8[fmt], kv_dtype, heads) for fmt in layers
+              if fused and FUSED_ROWS and ("block", fmt, layer_int8[fmt], kv_dtype, heads) not in _done]
     names = sorted({fmt or "fp32" for fmt in matrices | head_formats})
     what = " and ".join(names) + " weights" + (" with int8 activations" if any(int8_inputs_of.values()) else "")
     with compile_notice(t0, what):
@@ -184,7 +202,8 @@ def compile_blocks(blocks, kinds=("plain", "threaded")) -> None:
     """Compile (or load) the fused blocks of `kinds` for each (weight format, int8 activations, kv_dtype, heads) in
     `blocks`."""
     for fmt, int8_inputs, kv_dtype, heads in blocks:
-        heads = tuple(heads)                                          # (a list when it came as JSON)
+        heads = tuple(heads)                                          # (lists when they came as JSON)
+        fmt = tuple(fmt) if isinstance(fmt, list) else fmt
         _warm_decode_block(fmt, int8_inputs, kv_dtype, heads, kinds)
         if len(kinds) == 2:
             _done.add(("block", fmt, int8_inputs, kv_dtype, heads))
