@@ -3,13 +3,15 @@
     python benchmarks/vs_llamacpp.py --llama-bench PATH [--llama-batched-bench PATH] [--rounds 3] [--write]
 
 For users who have llama.cpp built (README, "Side by side with llama.cpp"). The default model's file is
-re-quantized with llama-quantize (found next to llama-bench unless --llama-quantize says where) to F32 and Q8_0;
-the file's own Q4_1 is used as it is. Each llama.cpp format is compared with the tinyllm setting that computes the
-same thing:
+re-quantized with llama-quantize (found next to llama-bench unless --llama-quantize says where) to F32, Q8_0 and
+Q4_K_M; the file's own Q4_1 is used as it is. Each llama.cpp format is compared with the tinyllm setting that
+computes the same thing:
 
-    F32   fp32 weights                      tinyllm quant=None
-    Q8_0  8-bit blocks, int8 activations    tinyllm int8-block + int8 activations (and int8 per row + int8)
-    Q4_1  the file's 4-bit blocks           tinyllm native + int8 activations
+    F32     fp32 weights                      tinyllm quant=None
+    Q8_0    8-bit blocks, int8 activations    tinyllm int8-block + int8 activations (and int8 per row + int8)
+    Q4_1    the file's 4-bit blocks           tinyllm native + int8 activations
+    Q4_K_M  the same file (Q4_K, Q6_K, Q5_0,  tinyllm native + int8 activations on that file
+            Q8_0 tensors)
 
 The work (llama-bench's names): tg64 (64 decode steps from an empty cache), pp128 / pp512 / pp2048 (a prompt of
 random tokens), tg64@d2048 (64 decode steps after 2,048 cached tokens); with --llama-batched-bench, batched decode
@@ -46,13 +48,14 @@ from report import machine_info, machine_line, write_json  # noqa: E402
 # llama.cpp file type -> the tinyllm settings compared with it: (label, quant, activations)
 PAIRS = {"F32": [("fp32", None, "float32")],
          "Q8_0": [("int8-block+a8", "int8-block", "int8"), ("int8+a8", "int8", "int8")],
-         "Q4_1": [("native+a8", "native", "int8")]}
+         "Q4_1": [("native+a8", "native", "int8")], "Q4_K_M": [("native+a8", "native", "int8")]}
+ON_THE_FILE = ("Q4_1", "Q4_K_M")   # tinyllm loads the llama.cpp file itself (else the default file, quantized)
 PROMPTS, GEN, DEPTH, BATCHES = (128, 512, 2048), 64, 2048, (1, 8, 32)
 
 
 # --- llama.cpp's side ------------------------------------------------------------------------------------------
 def requantize(quantize: Path, source: Path, kind: str, out_dir: Path) -> Path:
-    """The default file re-quantized to `kind` (F32, Q8_0) by llama-quantize, kept between runs."""
+    """The default file re-quantized to `kind` (F32, Q8_0, Q4_K_M) by llama-quantize, kept between runs."""
     out = out_dir / f"{source.stem.rsplit('.', 1)[0]}.{kind}.gguf"
     if not out.exists():
         subprocess.run([str(quantize), "--allow-requantize", str(source), str(out), kind], check=True,
@@ -160,7 +163,8 @@ def main(argv=None) -> int:
     results = {}
     for kind in args.formats:
         gguf = source if kind == "Q4_1" else requantize(quantize, source, kind, work)
-        models = {label: tinyllm.load(quant=quant, activations=act) for label, quant, act in PAIRS[kind]}
+        models = {label: tinyllm.load(gguf if kind in ON_THE_FILE else None, quant=quant, activations=act)
+                  for label, quant, act in PAIRS[kind]}
         theirs, ours = [], {label: [] for label in models}
         for r in range(args.rounds):
             run = llama_bench(args.llama_bench, gguf, args.threads)
