@@ -62,6 +62,66 @@ def test_q5_0_file_blocks_repack_exactly_as_int8_blocks():
     assert_bits_equal(qw.dequantize(), reference(raw, "Q5_0"))
 
 
+def test_q6_k_file_blocks_repack_exactly():
+    """A file's Q6_K blocks kept natively (int8 values, a float32 scale per 16): ggml's values, bit for bit."""
+    raw = random_blocks("Q6_K", 3 * 3, np.random.default_rng(7)).reshape(3, -1)     # 3 rows of 768
+    qw = quant.from_gguf_block(raw.ravel(), "Q6_K", (3, 768))
+    assert isinstance(qw, quant.Q6KBlock) and qw.q.min() >= -32 and qw.q.max() <= 31
+    expected = reference(raw, "Q6_K")
+    assert_bits_equal(qw.dequantize(), expected)
+    assert_bits_equal(qw.take_rows(np.array([2, 0])).dequantize(), expected[[2, 0]])
+
+
+@pytest.mark.parametrize("isa", ["vnni", "avx2"])
+def test_q6_k_dot_matches_its_reference_body(isa):
+    """The Q6_K integer dot in each instruction set the host has, against its plain-Numba body, on values at the
+    ends of their ranges (-32 and 31 against -127 and 127: AVX2's 16-bit pair sums stay exact)."""
+    from numba import njit
+    from tinyllm.kernels import kquant_kernels
+    from tinyllm.kernels.linear_kernels import quantize_rows
+    dots = getattr(kquant_kernels, "Q6K_DOTS", {})
+    if isa not in dots:
+        pytest.skip(f"no {isa} on this CPU")
+    rng = np.random.default_rng(8)
+    qw = quant.from_gguf_block(random_blocks("Q6_K", 4 * 2, rng, scale=0.01).ravel(), "Q6_K", (4, 512))
+    qw.q[0], qw.q[1] = -32, 31                                                      # extreme rows
+    x = rng.normal(0, 1, (1, 512)).astype(np.float32)
+    x[0, ::2] = 100.0                                                               # rounded to +-127
+    xq, xstart, xs = quantize_rows(x)
+
+    def rows(dot):
+        @njit
+        def each(q, scale, xq, xstart, xs):
+            out = np.empty(q.shape[0], np.float32)
+            for o in range(q.shape[0]):
+                out[o] = dot(q, o, scale, xq, xstart, xs)
+            return out
+        return each(qw.q, qw.scale, xq[0], xstart[0], xs[0])
+    got, want = rows(dots[isa]), rows(kquant_kernels.dot_q6k_reference)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_q6_k_kernels_match_their_numpy_twin():
+    """linear_q6k_a8 (int8 inputs, vector dot and reference body) and linear_q6k (float inputs) against the numpy
+    backend's linear of the same weight, through the dispatch that runs them."""
+    from tinyllm.backend import NumpyOps
+    from tinyllm.kernels import dispatch
+    rng = np.random.default_rng(9)
+    qw = quant.from_gguf_block(random_blocks("Q6_K", 40 * 3, rng, scale=0.002).ravel(), "Q6_K", (40, 768))
+    for rows in (1, 3, 20):                                    # one-row and tiled sizes; a prompt chunk's
+        x = rng.normal(0, 1, (rows, 768)).astype(np.float32)
+        for int8_inputs in (True, False):
+            expected = NumpyOps.linear(x, qw, int8_inputs=int8_inputs)                # [rows, 40]
+            got = dispatch.linear(x, qw, int8_inputs=int8_inputs)
+            np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+    from tinyllm.kernels.kquant_kernels import linear_q6k_a8
+    from tinyllm.kernels.weight_formats import kernel_weight
+    out = np.empty((3, 40), np.float32)
+    linear_q6k_a8(kernel_weight(qw), x[:3], out, False)                               # the reference body
+    expected = NumpyOps.linear(x[:3], qw, int8_inputs=True)
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
 def test_q4_k_quantizer_writes_ggmls_format_and_beats_q4_1():
     w = np.random.default_rng(2).normal(0, 0.05, (32, 512)).astype(np.float32)
     qw = quant.quantize_q4_k(w)
@@ -189,7 +249,7 @@ types |= {"blk.0.ffn_down.weight": "Q4_K", "blk.1.ffn_down.weight": "Q6_K", "tok
 tiny_llama(PATH, dim=256, n_heads=4, n_kv_heads=2, ffn=256, types=types)
 m = tinyllm.load(PATH, quant="native", activations="int8")
 kinds = {tuple(type(w).__name__ for w in (l.wqkv, l.wo, l.w_in, l.w_out)) for l in m.layers}
-assert kinds == {("Int8Block",) * 3 + ("Q4KBlock",), ("Int8Block",) * 3 + ("ndarray",)}, kinds
+assert kinds == {("Int8Block",) * 3 + ("Q4KBlock",), ("Int8Block",) * 3 + ("Q6KBlock",)}, kinds
 before = signatures()
 cache = m.new_cache(32)
 m.prefill([1, 72, 101, 108], cache)

@@ -136,19 +136,29 @@ def dequantize_q5_k(blocks: np.ndarray) -> np.ndarray:
     return (dl[..., None] * q - ml[..., None]).reshape(n, QK_K)
 
 
+def q6_k_values(blocks: np.ndarray) -> np.ndarray:
+    """Q6_K's 256 values of each block [n, 210] as whole numbers in [-32, 31] -> [n, 256] int8 (dequantize_q6_k)."""
+    n = blocks.shape[0]
+    ql = blocks[:, 0:128].reshape(n, 2, 1, 2, 32)                            # [n, h, 1, k % 2, l]
+    low = ((ql >> np.array([0, 4], np.uint8)[:, None, None]) & 0x0F).reshape(n, 2, 4, 32)   # [n, h, k, l]
+    qh = blocks[:, 128:192].reshape(n, 2, 1, 32)                             # [n, h, 1, l]
+    high = (qh >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3             # [n, h, k, l]
+    return ((low | (high << 4)).astype(np.int8) - np.int8(32)).reshape(n, QK_K)
+
+
+def q6_k_scales(blocks: np.ndarray) -> np.ndarray:
+    """Q6_K's 16 sub-block scales of each block [n, 210], d * scale in float32 as ggml rounds it -> [n, 16]"""
+    return f16(blocks, 208) * blocks[:, 192:208].view(np.int8)
+
+
 def dequantize_q6_k(blocks: np.ndarray) -> np.ndarray:
     """Q6_K, 210 bytes for 256 values: ql[128] | qh[64] | int8 scales[16] | f16 d.
     16 sub-blocks of 16 with a signed 8-bit scale each. Value v = 128h + 32k + l (h < 2, k < 4, l < 32): its low
     4 bits are nibble k // 2 (low, then high) of ql[64h + 32 (k % 2) + l], its high 2 bits are bits 2k..2k+1 of
     qh[32h + l]; q = those 6 bits - 32, in [-32, 31]; x = (d * scale) * q of sub-block v // 16."""
     n = blocks.shape[0]
-    ql = blocks[:, 0:128].reshape(n, 2, 1, 2, 32)                            # [n, h, 1, k % 2, l]
-    low = ((ql >> np.array([0, 4], np.uint8)[:, None, None]) & 0x0F).reshape(n, 2, 4, 32)   # [n, h, k, l]
-    qh = blocks[:, 128:192].reshape(n, 2, 1, 32)                             # [n, h, 1, l]
-    high = (qh >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3             # [n, h, k, l]
-    q = (low | (high << 4)).astype(np.int8) - np.int8(32)                    # [n, h, k, l]
-    dl = f16(blocks, 208) * blocks[:, 192:208].view(np.int8)                 # [n, 16]
-    return (dl[..., None] * q.reshape(n, 16, 16).astype(np.float32)).reshape(n, QK_K)
+    q = q6_k_values(blocks).reshape(n, 16, 16).astype(np.float32)           # [n, sub-block, 16]
+    return (q6_k_scales(blocks)[..., None] * q).reshape(n, QK_K)
 
 
 def dequantize_iq4_xs(blocks: np.ndarray) -> np.ndarray:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .kquants import bits, f16, k4_scales, k4_values, nibbles_split
+from .kquants import bits, f16, k4_scales, k4_values, nibbles_split, q6_k_scales, q6_k_values
 
 BLOCK = 32
 SUPER = 8   # q4_k: blocks of 32 per super-block (256 values, as ggml's QK_K)
@@ -151,6 +151,25 @@ class Q4KBlock(QuantizedWeight):
         d * q + (-m) rounds as d * q - m."""
         scale, minimum = self.block_scales()
         return Q4Block(self.packed, scale, -minimum)
+
+
+@dataclass(repr=False)
+class Q6KBlock(QuantizedWeight):
+    """llama.cpp's Q6_K (the 6-bit type of Q4_K_M files: their output head, some ffn_down) as the kernels read it:
+    its 6-bit values as whole numbers, and each sub-block of 16 values' scale, d * its 8-bit scale, as the float32
+    ggml computes. 1.25 bytes a weight where the file spends 0.82, the price of the int8 dot products."""
+
+    q: np.ndarray       # [O, I] int8 in [-32, 31]
+    scale: np.ndarray   # [O, I/32, 2] float32: the scale of values 0-15 and of 16-31 of each block of 32
+
+    @property
+    def shape(self):
+        return self.q.shape
+
+    def dequantize(self, rows=slice(None)):
+        q = self.q[rows]
+        halves = q.reshape(q.shape[0], -1, 2, BLOCK // 2).astype(np.float32)         # [o, I/32, 2, 16]
+        return (self.scale[rows][..., None] * halves).reshape(q.shape)                # [o, I]
 
 
 # --- activations ---------------------------------------------------------------------------------------------
@@ -305,7 +324,7 @@ def quantization_error(w: np.ndarray, qw: QuantizedWeight) -> tuple[float, float
 
 
 def from_gguf_block(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantizedWeight:
-    """Repack a GGUF Q4_1, Q8_0, Q5_0 or Q4_K tensor's bytes into planar arrays, exactly (f16 scales widen to f32).
+    """Repack a GGUF Q4_1, Q8_0, Q5_0, Q4_K or Q6_K tensor's bytes into planar arrays, exactly (f16 scales widen to f32).
     Q5_0's 5-bit values minus 16 are whole numbers in [-16, 15] times one scale per 32: an int8 block, exactly
     (8 bits where the file spends 5, the price of running on the int8 kernels)."""
     O, I = shape
@@ -326,6 +345,10 @@ def from_gguf_block(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> 
         d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
         q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(O, I)
         return Int8Block(q, d)
+    if type_name == "Q6_K":
+        blocks = raw.reshape(-1, 210)                                                # [O * I/256, 210 bytes]
+        scale = q6_k_scales(blocks).reshape(O, I // BLOCK, 2)                        # [O, I/32, 2]
+        return Q6KBlock(q6_k_values(blocks).reshape(O, I), scale)
     if type_name == "Q5_0":
         blocks = raw.reshape(-1, 22)                                                 # [O * I/32, 22 bytes]
         q = nibbles_split(blocks[:, 6:22]) | (bits(blocks[:, 2:6], 32) << 4)        # [O * I/32, 32] in [0, 31]
@@ -333,4 +356,4 @@ def from_gguf_block(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> 
     raise ValueError(f"GGUF type {type_name} has no native tinyllm format (native: {', '.join(NATIVE_TYPES)})")
 
 
-NATIVE_TYPES = ("Q4_1", "Q8_0", "Q5_0", "Q4_K")   # the GGUF types from_gguf_block repacks
+NATIVE_TYPES = ("Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K")   # the GGUF types from_gguf_block repacks

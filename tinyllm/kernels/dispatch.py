@@ -30,13 +30,14 @@ from . import blas, intdot
 from .attention_kernels import decode_attention, paged_decode_attention
 from .kv_formats import kernel_operands
 from .kv_rows import row_shape_of
+from .kquant_kernels import linear_q6k, linear_q6k_a8, q6k_a8_task, q6k_rows_task
 from .linear_kernels import (OUT_BLOCK, TILE_MIN_ROWS, int8_a8_task, linear_int8_a8, linear_rows, linear_tiled, n_tasks,
                              quantize_rows, round_rows, rows_task)
 from .panel_kernels import PANEL_MIN_ROWS, PANELS_FOR_INT8, linear_integer_panels, linear_panels
 from .q4_kernels import linear_q4, linear_q4_a8, q4_a8_task, q4_inputs, q4_rows_task, split_halves
 from .pointwise import swiglu_into, swiglu_rows_into
 from .prefill_attention import tiled_causal_attention
-from .weight_formats import INT8, QUANTIZED, Float32Weight, Q4Weight, kernel_weight, typed_as
+from .weight_formats import INT8, QUANTIZED, Float32Weight, Q4Weight, Q6KWeight, kernel_weight, typed_as
 
 SMALL_M = 128     # up to this many rows the Numba linears beat BLAS (docs/design/kernels.md)
 FEW_TOKENS = 16   # up to this many query tokens attention splits over positions (decode, verification)
@@ -56,13 +57,16 @@ def linear_into(w, x, out, int8_inputs: bool, int_dots: bool) -> None:
     (the fused block) get the overload below: the same rule, specialised to the format when they compile, for
     their at most FEW_TOKENS rows (a block compiles no integer tile: from TILE_MIN_ROWS it takes the float tiles)."""
     few, many, integer = ((linear_q4, linear_q4, linear_q4_a8) if isinstance(w, Q4Weight)
+                          else (linear_q6k, linear_q6k, linear_q6k_a8) if isinstance(w, Q6KWeight)   # (no tiles)
                           else (linear_rows, linear_tiled, linear_int8_a8))
-    if x.shape[0] >= PANEL_MIN_ROWS and (not isinstance(w, INT8) or PANELS_FOR_INT8):   # a prompt chunk (int8:
-        many = linear_panels                                                             # without AVX-512)
+    k_quant = isinstance(w, Q6KWeight)
+    if x.shape[0] >= PANEL_MIN_ROWS and not k_quant and (not isinstance(w, INT8) or PANELS_FOR_INT8):   # a prompt
+        many = linear_panels                                                             # chunk (int8: no AVX-512)
     rounded = int8_inputs and isinstance(w, QUANTIZED)
     if rounded and x.shape[0] < TILE_MIN_ROWS:                           # a few rows: integer dot products
         integer(w, x, out, int_dots)
-    elif rounded and intdot.USE_INT_DOTS and x.shape[0] >= INTEGER_TILES_FROM and x.shape[1] % BLOCK == 0:
+    elif rounded and intdot.USE_INT_DOTS and x.shape[0] >= INTEGER_TILES_FROM and x.shape[1] % BLOCK == 0 \
+            and not k_quant:
         linear_integer_panels(w, x, out)                                 # many rows: integer tiles
     else:                                                                # float kernels (on the rounded rows)
         (few if x.shape[0] < TILE_MIN_ROWS else many)(w, round_rows(x) if rounded else x, out)
@@ -72,6 +76,8 @@ def linear_into(w, x, out, int8_inputs: bool, int_dots: bool) -> None:
 def _linear_into_typed(w, x, out, int8_inputs, int_dots):
     if typed_as(w, Q4Weight):                                           # 4-bit: one kernel for any M
         few, many, integer = linear_q4, linear_q4, linear_q4_a8
+    elif typed_as(w, Q6KWeight):                                        # Q6_K: the same
+        few, many, integer = linear_q6k, linear_q6k, linear_q6k_a8
     else:                                                                # fp32, int8, int8-block
         few, many, integer = linear_rows, linear_tiled, linear_int8_a8
 
@@ -109,11 +115,11 @@ def linear_share(w, x, out, int8_inputs: bool, int_dots: bool, tid: int, n: int)
     parallel loop calls, so the result is bit for bit linear_into's. For block.py's threaded block."""
     O = w[0].shape[0]
     first, end = thread_share(n_tasks(O), tid, n)
-    four_bit, int8 = isinstance(w, Q4Weight), isinstance(w, INT8)
+    four_bit, int8, six_bit = isinstance(w, Q4Weight), isinstance(w, INT8), isinstance(w, Q6KWeight)
     if int8_inputs and four_bit:
         xq, _, xs = quantize_rows(x)
         xg, scales, sums = q4_inputs(xq, xs, int_dots)
-    elif int8_inputs and int8:
+    elif int8_inputs and (int8 or six_bit):
         xq, xstart, xs = quantize_rows(x)
     elif four_bit:
         xlo, xhi, xsum = split_halves(x, w.d.shape[1])
@@ -123,8 +129,12 @@ def linear_share(w, x, out, int8_inputs: bool, int_dots: bool, tid: int, n: int)
             q4_a8_task(w, xq, xs, xg, scales, sums, out, o0, o1, int_dots)
         elif int8_inputs and int8:
             int8_a8_task(w, xq, xstart, xs, out, o0, o1, int_dots)
+        elif int8_inputs and six_bit:
+            q6k_a8_task(w, xq, xstart, xs, out, o0, o1, int_dots)
         elif four_bit:
             q4_rows_task(w, xlo, xhi, xsum, out, o0, o1, 0)
+        elif six_bit:
+            q6k_rows_task(w, x, out, o0, o1)
         else:
             rows_task(w, x, out, o0, o1)
 
@@ -153,6 +163,18 @@ def _linear_share_typed(w, x, out, int8_inputs, int_dots, tid, n):
                 q4_a8_task(w, xq, xs, xg, scales, sums, out, task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK),
                            int_dots)
         return q4_a8
+    if typed_as(w, Q6KWeight):
+        def q6k(w, x, out, int8_inputs, int_dots, tid, n):
+            O, first, end = tasks(w, tid, n)
+            if rounded:
+                xq, xstart, xs = quantize_rows(x)
+                for task in range(first, end):
+                    q6k_a8_task(w, xq, xstart, xs, out, task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK),
+                                int_dots)
+            else:
+                for task in range(first, end):
+                    q6k_rows_task(w, x, out, task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK))
+        return q6k
     if rounded:
         def int8_a8(w, x, out, int8_inputs, int_dots, tid, n):
             O, first, end = tasks(w, tid, n)

@@ -1,4 +1,10 @@
-"""Q4_K's super-blocks read as they are (quant.Q4KBlock: 4-bit values, a 6-bit scale and minimum per block of 32,
+"""The K-quant kernels. Q6_K (the 6-bit type of Q4_K_M files) as a Q6KWeight (int8 values, a float32 scale per 16):
+`linear_q6k_a8` for a few rows of x rounded to int8 blocks, `linear_q6k` for float inputs; their numpy twin is the
+numpy backend's linear of the dequantized weight (rounding x first for int8 inputs). The int8 dot is intdot.py's
+dot_int8_block with a scale per half block: vpdpbusd's lanes 0-3 of a block sum its values 0-15 and lanes 4-7
+its values 16-31, so the two halves' scales go to their lanes; nothing else changes.
+
+Q4_K's super-blocks read as they are (quant.Q4KBlock: 4-bit values, a 6-bit scale and minimum per block of 32,
 an fp16 d and dmin per 8 blocks) times a few rows of x rounded to int8 blocks: `linear_q4k_a8`. Its numpy twin is
 the numpy backend's linear with int8 inputs (round x, dequantize the weight, multiply: backend.NumpyOps.linear).
 
@@ -20,7 +26,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ..quant import SUPER
+from ..quant import BLOCK, SUPER
+from .intdot import HAVE_AVX2, HAVE_VNNI, INT_DOTS
 from .linear_kernels import OUT_BLOCK, n_tasks, quantize_rows
 from .numerics import PARALLEL, SERIAL
 from .q4_kernels import q4_a8_task, q4_inputs
@@ -52,3 +59,126 @@ def linear_q4k_a8(w, x, out, int_dots):
     for task in prange(n_tasks(O)):
         q4k_a8_task(w, xq, xs, xg, xscales, sums, out, task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK),
                     int_dots)
+
+
+# --- Q6_K: int8 values, a scale per 16 --------------------------------------------------------------------------
+@njit(**SERIAL)
+def dot_q6k_reference(q, o, scale, xq, xstart, xs):
+    """Row o of a Q6KWeight (q [O, I] int8, scale [O, I/32, 2]) times one input row rounded to int8 blocks (xq [I],
+    xs [I/32]; xstart as intdot's int8 dots take it, which only the vector version reads):
+    sum over blocks b and halves h of  xs[b] * scale[o, b, h] * (the integer dot of the half's 16 values)."""
+    acc = np.float32(0.0)
+    for b in range(scale.shape[1]):
+        for h in range(2):
+            isum = np.int32(0)
+            for j in range(b * BLOCK + 16 * h, b * BLOCK + 16 * h + 16):
+                isum += np.int32(q[o, j]) * np.int32(xq[j])
+            acc += np.float32(isum) * (xs[b] * scale[o, b, h])
+    return acc
+
+
+dot_q6k = dot_q6k_reference
+if INT_DOTS:       # the vector version, in the instructions of intdot.py's dots (VNNI, or AVX2's byte multiply-adds)
+    from llvmlite import ir
+    from numba import types
+    from numba.extending import intrinsic
+
+    from .intdot import _FAST, _V16f32, _f32, _halves, _i8, _i32, _joined, _load, _quad_sums, _row_sum, _structs
+    from .llvm_ir import call
+
+    def _q6k_dot_codegen(isa):
+        """dot_q6k: dot_int8_block's pairs of blocks (64 bytes of integer sums in 16 lanes, 4 lanes per 16 values),
+        each lane scaled by its block's input scale times its half block's weight scale. (A Q6_K row is whole
+        super-blocks of 8 blocks: no odd last block.)"""
+        def codegen(context, builder, signature, args):
+            a = _structs(context, builder, signature, args, "q o scale xq xstart xs")
+            row = builder.gep(a["q"].data, [builder.mul(a["o"], builder.extract_value(a["q"].shape, 1))])
+            n_blocks = builder.extract_value(a["scale"].shape, 1)
+            two = ir.Constant(n_blocks.type, 2)
+            scale_row = builder.gep(a["scale"].data, [builder.mul(a["o"], builder.mul(n_blocks, two))])
+
+            def blocks(first, size):                # blocks first .. first+size-1 -> <8*size x float> of terms
+                nbytes, lanes = BLOCK * size, 8 * size
+                bytes_type = ir.VectorType(_i8, nbytes)
+                x_off = builder.mul(first, ir.Constant(first.type, BLOCK))
+                w, x = _load(builder, row, x_off, bytes_type), _load(builder, a["xq"].data, x_off, bytes_type)
+                if isa == "vnni":                   # w + 128 against x, from -128 times x's sums (intdot.py)
+                    start = _load(builder, a["xstart"].data, builder.mul(first, ir.Constant(first.type, 8)),
+                                  ir.VectorType(_i32, lanes))
+                    isum = _quad_sums(builder, start, builder.xor(w, ir.Constant(bytes_type, [-128] * nbytes)), x,
+                                      isa)
+                else:                               # |w| against sign(w) * x
+                    sign = lambda v: _joined(builder, [call(builder, "llvm.x86.avx2.psign.b", p.type, p, wp)  # noqa
+                                                       for p, wp in zip(_halves(builder, v), _halves(builder, w))])
+                    isum = _quad_sums(builder, ir.Constant(ir.VectorType(_i32, lanes), [0] * lanes), sign(w),
+                                      sign(x), isa)
+
+                def spread(v, each):                # <n x float> -> each lane repeated `each` times
+                    order = ir.Constant(ir.VectorType(_i32, lanes), [j // each for j in range(lanes)])
+                    return builder.shuffle_vector(v, ir.Constant(v.type, ir.Undefined), order)
+                xs = _load(builder, a["xs"].data, first, ir.VectorType(_f32, size))
+                ws = _load(builder, scale_row, builder.mul(first, two), ir.VectorType(_f32, 2 * size))
+                scale = builder.fmul(spread(xs, 8), spread(ws, 4), flags=_FAST)
+                return builder.fmul(builder.sitofp(isum, ir.VectorType(_f32, lanes)), scale, flags=_FAST)
+            return _row_sum(builder, builder.udiv(n_blocks, two), lambda i: blocks(builder.mul(i, two), 2), row,
+                            2 * BLOCK, _V16f32)
+        return codegen
+
+    def _dot_in(isa):
+        @intrinsic
+        def dot_q6k(typingctx, q, o, scale, xq, xstart, xs):
+            return types.float32(q, o, scale, xq, xstart, xs), _q6k_dot_codegen(isa)
+        return dot_q6k
+
+    # each instruction set the host has (the tests hold both to the reference body on a VNNI host)
+    Q6K_DOTS = {isa: _dot_in(isa) for isa, have in (("vnni", HAVE_VNNI), ("avx2", HAVE_AVX2)) if have}
+    dot_q6k = Q6K_DOTS[INT_DOTS]
+
+
+@njit(**SERIAL)
+def q6k_a8_task(w, xq, xstart, xs, out, o0, o1, int_dots):
+    """linear_q6k_a8's task: out[:, o0:o1], from quantize_rows' rounded rows."""
+    q, scale = w
+    for m in range(xq.shape[0]):
+        q_m, start_m, s_m = xq[m], xstart[m], xs[m]
+        if int_dots:                           # two loops with a constant each, so that neither carries a branch
+            for o in range(o0, o1):
+                out[m, o] = dot_q6k(q, o, scale, q_m, start_m, s_m)
+        else:
+            for o in range(o0, o1):
+                out[m, o] = dot_q6k_reference(q, o, scale, q_m, start_m, s_m)
+
+
+@njit(**PARALLEL)
+def linear_q6k_a8(w, x, out, int_dots):
+    """w: a Q6KWeight [O, I] (I a multiple of 256); x [M, I] is rounded to int8 blocks here -> out [M, O]. int_dots:
+    whether the vector dot may run (intdot.USE_INT_DOTS)."""
+    xq, xstart, xs = quantize_rows(x)
+    O = w[0].shape[0]
+    for task in prange(n_tasks(O)):
+        q6k_a8_task(w, xq, xstart, xs, out, task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK), int_dots)
+
+
+@njit(**SERIAL)
+def q6k_rows_task(w, x, out, o0, o1):
+    """linear_q6k's rows o0 .. o1-1 against every input row: each half block's products summed, then scaled."""
+    q, scale = w
+    for o in range(o0, o1):
+        for m in range(x.shape[0]):
+            acc = np.float32(0.0)
+            for b in range(scale.shape[1]):
+                for h in range(2):
+                    part = np.float32(0.0)
+                    for j in range(b * BLOCK + 16 * h, b * BLOCK + 16 * h + 16):
+                        part += np.float32(q[o, j]) * x[m, j]
+                    acc += scale[o, b, h] * part
+            out[m, o] = acc
+
+
+@njit(**PARALLEL)
+def linear_q6k(w, x, out):
+    """w: a Q6KWeight [O, I]; x [M, I] float32 -> out [M, O] (float inputs: the float activations setting, and
+    prompt chunks whose inputs are rounded first)."""
+    O = w[0].shape[0]
+    for task in prange(n_tasks(O)):
+        q6k_rows_task(w, x, out, task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK))
