@@ -36,7 +36,8 @@ def load(path: str | Path | None = None, quant: str | None = None, backend: str 
     quant: None / "fp32" keeps float32 weights (dequantized from the file's storage type); "int8" (one scale
     per row), "int8-block" (one scale per 32 values), "q4_1" (4-bit, scale and minimum per 32 values), "q4_k"
     (4-bit, llama.cpp's Q4_K: 6-bit scales and minimums per 32 values in super-blocks of 256) quantize the matrices
-    at load; "native" keeps the file's own Q4_1 / Q8_0 / Q4_K blocks as they are.
+    at load; "native" keeps the file's own Q4_1 / Q8_0 / Q5_0 / Q4_K / Q6_K values as they are (the types of
+    Q4_K_M files; docs/quantization.md says how each is laid out for the kernels).
     head_quant: the output head's (and tied embedding's) format when quantizing: by default the matrices' own for
     the 8-bit formats and "int8-block" for the 4-bit ones (a 4-bit head costs far more quality); any format or
     "fp32" overrides.
