@@ -161,17 +161,19 @@ def linear_q6k_a8(w, x, out, int_dots):
 
 @njit(**SERIAL)
 def q6k_rows_task(w, x, out, o0, o1):
-    """linear_q6k's rows o0 .. o1-1 against every input row: each half block's products summed, then scaled."""
+    """linear_q6k's rows o0 .. o1-1 against every input row: each weight row dequantized once (the values
+    Q6KBlock.dequantize gives), then one plain dot product per input row."""
     q, scale = w
+    I = q.shape[1]
+    row = np.empty(I, np.float32)                                   # [I] the weight row's values
     for o in range(o0, o1):
+        for b in range(scale.shape[1]):
+            for j in range(BLOCK):
+                row[b * BLOCK + j] = scale[o, b, j // 16] * np.float32(q[o, b * BLOCK + j])
         for m in range(x.shape[0]):
             acc = np.float32(0.0)
-            for b in range(scale.shape[1]):
-                for h in range(2):
-                    part = np.float32(0.0)
-                    for j in range(b * BLOCK + 16 * h, b * BLOCK + 16 * h + 16):
-                        part += np.float32(q[o, j]) * x[m, j]
-                    acc += scale[o, b, h] * part
+            for i in range(I):
+                acc += row[i] * x[m, i]
             out[m, o] = acc
 
 
