@@ -6,8 +6,8 @@
 
 A competitor is a process with two busy threads (two shell loops that never sleep), as a build or another model
 would be. Each round measures every format quiet and beside each number of competitors, in turn, so drift hits
-all of them alike; a measurement is the median step time of decode steps over `--seconds` (and at least 16 steps, a
-short answer) at context 64 (the cache cut back after each step). Reported: median tok/s per format and condition, and each condition's median
+all of them alike; a measurement is the decode steps done in `--seconds` (and at least 16 steps, a short answer) at
+context 64 (the cache cut back after each step), over the time they took: stalled steps count, as a user waits for them. Reported: median tok/s per format and condition, and each condition's median
 ratio to quiet in the same round. With --old, the same measurements also run in a worker on another checkout
 (alternating with this one), for an A/B of what a change does under load.
 """
@@ -43,13 +43,12 @@ for line in sys.stdin:
     m = models[fmt]
     cache = m.new_cache(80)
     m.prefill(np.arange(64), cache)
-    times, t_end = [], time.perf_counter() + seconds
-    while time.perf_counter() < t_end or len(times) < 16:     # a short answer's worth of steps, at least
-        t0 = time.perf_counter()
+    steps, t0 = 0, time.perf_counter()
+    while time.perf_counter() < t0 + seconds or steps < 16:     # a short answer's worth of steps, at least
         m.decode_step(1, cache)
-        times.append(time.perf_counter() - t0)
         cache.length = 64
-    print(json.dumps(1.0 / float(np.median(times))), flush=True)
+        steps += 1
+    print(json.dumps(steps / (time.perf_counter() - t0)), flush=True)
 """
 
 
@@ -122,7 +121,8 @@ def main() -> None:
         sys.path.insert(0, str(HERE))
         from report import write_json
         write_json("contention", dict(threads=args.threads, seconds=args.seconds, rounds=args.rounds,
-                                      results=[r for r in rows if r["checkout"] == "new"]),
+                                      results=[r for r in rows if r["checkout"] == "new"],
+                                      before=[r for r in rows if r["checkout"] == "old"]),
                    command="python benchmarks/contention.py " + " ".join(sys.argv[1:]))
     for side in sides.values():
         side.proc.stdin.close()

@@ -4,6 +4,7 @@
     python benchmarks/load.py run --url http://127.0.0.1:8000 --rate 4 --num-requests 64
     python benchmarks/load.py report             # starts servers itself; sweep, static vs continuous, overhead
     python benchmarks/load.py report --quick     # tiny settings, a smoke test (writes nothing but --out)
+    python benchmarks/load.py overhead --threads 1 2 [--quant native --activations int8]   # (3) alone, a table
 
 `run`: a fixed-seed workload (Poisson arrivals at --rate, prompts of --prompt-len tokens cut from real text,
 outputs of --output-len tokens enforced with ignore_eos), streamed over HTTP with at most --max-concurrency
@@ -233,12 +234,18 @@ def engine_decode_rate(model, prompt_ids: list[int], tokens: int) -> float:
     return (len(t) - 1) / (t[-1] - t[0])
 
 
-def overhead(model_path: str | None, server_args: list[str], tokens: int, rounds: int) -> dict:
+def overhead(model_path: str | None, server_args: list[str], tokens: int, rounds: int, threads: int | None = None,
+             quant: str | None = None, activations: str = "float32") -> dict:
     """Decode tok/s of one greedy stream through the server vs tinyllm.generate in this process (and the Engine in
     this process, to tell the engine's cost from HTTP's), alternating; the server is stopped while the in-process
-    runs go, so they never share the cores."""
+    runs go, so they never share the cores. threads / quant / activations: the same settings on both sides."""
     import tinyllm
-    model = tinyllm.load(model_path)
+    if threads is not None:
+        tinyllm.set_threads(threads)
+        server_args = server_args + ["--threads", str(threads)]
+    if quant is not None or activations != "float32":
+        server_args = server_args + (["--quant", quant] if quant else []) + ["--activations", activations]
+    model = tinyllm.load(model_path, quant=quant, activations=activations)
     prompt = model.tokenizer.encode("Write a long story about a lighthouse keeper and the sea.")
     tinyllm.generate(model, prompt, max_new_tokens=8, ignore_eos=True)            # compile outside the timing
     engine_decode_rate(model, prompt, 8)
@@ -311,6 +318,18 @@ def report(args) -> None:
     print(f"wrote {out}" + (f" and {png}" if drew else ""))
 
 
+def overhead_only(args) -> None:
+    """One stream through HTTP against generate, per thread count: the server's own threads (its engine loop and
+    HTTP side) share the cores with the decode's."""
+    print("| threads | weights | HTTP tok/s | generate tok/s | HTTP / generate | Engine in-process tok/s |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: |")
+    for threads in args.threads:
+        o = overhead(args.model, [], args.overhead_tokens, args.overhead_rounds, threads, args.quant, args.activations)
+        print(f"| {threads} | {args.quant or 'fp32'}{'+a8' if args.activations == 'int8' else ''} | "
+              f"{np.median(o['http_tok_s']):.1f} | {np.median(o['generate_tok_s']):.1f} | {o['ratio']:.2f} | "
+              f"{np.median(o['engine_tok_s']):.1f} |", flush=True)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -334,7 +353,16 @@ def main(argv=None) -> None:
     r.add_argument("--overhead-rounds", type=int, default=3)
     r.add_argument("--server-arg", action="append", default=[], help="extra scripts/serve.py argument (repeatable)")
     r.add_argument("--quick", action="store_true", help="tiny settings for a smoke test; RESULTS.md untouched")
+    o = sub.add_parser("overhead", help="only the one-stream comparison, per thread count (prints a table)")
+    o.add_argument("--model", default=None, help="a .gguf file (default: SmolLM2-135M-Instruct)")
+    o.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    o.add_argument("--quant", default=None, choices=["int8", "int8-block", "q4_1", "native"])
+    o.add_argument("--activations", default="float32", choices=["float32", "int8"])
+    o.add_argument("--overhead-tokens", type=int, default=128)
+    o.add_argument("--overhead-rounds", type=int, default=3)
     args = p.parse_args(argv)
+    if args.command == "overhead":
+        return overhead_only(args)
     for n in ("num_requests", "max_concurrency"):
         if getattr(args, n) < 1:
             p.error(f"--{n.replace('_', '-')} must be >= 1")

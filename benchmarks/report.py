@@ -531,6 +531,23 @@ def startup_section() -> list[str]:
     return ["## Startup", ""] + per_kind("startup", "python benchmarks/startup.py --first-run", one)
 
 
+def contention_section() -> list[str]:
+    def one(r):
+        before = {(x["format"], x["competitors"]): x for x in r.get("before", [])}     # a run with --old
+        rows = [[x["format"], x["competitors"], n(x["tok_s"], 1), f"{x['of_quiet']:.2f}"]
+                + ([f"{before[k]['tok_s']:.1f} / {before[k]['of_quiet']:.2f}" if (k := (x["format"], x["competitors"]))
+                    in before else "-"] if before else []) for x in r["results"]]
+        return ([f"Decode at context 64 from the Python API, {r['threads']} threads allowed, beside N processes of two "
+                 f"busy threads each; tok/s = steps over the time they took (stalled steps count), medians of "
+                 f"{r['rounds']} rounds of {r['seconds']:g} s per condition, measured in turn; of quiet = the "
+                 "median of each round's ratio to that round's quiet run.", ""]
+                + table(["format", "busy processes", "tok/s", "of quiet"]
+                        + (["--old checkout: tok/s / of quiet"] if r.get("before") else []), rows, right=2))
+    return (["## A busy machine", "",
+             "Why the threads follow the machine: [docs/design/kernels.md](../docs/design/kernels.md#a-busy-machine).",
+             ""] + per_kind("contention", "python benchmarks/contention.py --write", one))
+
+
 def tokenizer_section() -> list[str]:
     def one(r):
         rows = [[x["text"], x["calls"], n(x["tinyllm_cold"], 2), n(x["tinyllm_warm"], 2), n(x["tokenizers_cold"], 2),
@@ -559,11 +576,12 @@ def transformers_section() -> list[str]:
             + per_kind("vs_transformers", "python benchmarks/bench_vs_transformers.py", one))
 
 
-SECTIONS = [decode_section, llamacpp_section, prefill_section, batching_section, quality_section,
-            speculative_section, startup_section, kv_section, tokenizer_section, transformers_section,
-            experiments_section]
+SECTIONS = [decode_section, llamacpp_section, prefill_section, batching_section, contention_section,
+            quality_section, speculative_section, startup_section, kv_section, tokenizer_section,
+            transformers_section, experiments_section]
 BENCHMARKS = ["roofline", "step_timeline", "vs_llamacpp", "long_prompts", "batching", "serving", "experiments",
-              "quality", "kv_quality", "kv_speed", "speculative", "startup", "tokenizer", "vs_transformers"]
+              "contention", "quality", "kv_quality", "kv_speed", "speculative", "startup", "tokenizer",
+              "vs_transformers"]
 
 
 def machines() -> list[str]:

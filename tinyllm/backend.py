@@ -11,12 +11,15 @@ many prompt tokens one pass takes; `decode_blocks(model, x, segment)`, the fused
 """
 from __future__ import annotations
 
+import time
 import weakref
+
 import numpy as np
 
 from . import ops
 from .kv_cache import ContiguousKVCache, attention_inputs
 from .quant import QuantizedWeight, round_activations
+from .threads import ThreadGovernor
 
 BACKENDS = ("numba", "numpy")
 
@@ -78,6 +81,7 @@ class NumbaBackend:
         self._last_layers = ((), [])                          # (the layers of the last step, their operands)
         self._cache_operands = weakref.WeakKeyDictionary()    # cache -> per layer, what it takes of K and V
         self._paged_kv_dtypes = set()                          # the pool formats warmed up for
+        self._governors = {}                                    # (layers, rows) of a fused step -> its ThreadGovernor
 
     def ops_for(self, n_rows: int):
         return self.kernels.for_rows(n_rows)
@@ -101,7 +105,15 @@ class NumbaBackend:
             caches = self._cache_operands[cache] = [self.kernels.cache_operands(cache.k[i], cache.v[i], c.n_heads)
                                                     for i in range(len(weights))]
         cos, sin = model.rope_cos[start:start + T], model.rope_sin[start:start + T]   # [T, Dh/2] each
+        # how many threads: the most allowed, unless fewer ran faster lately (a busy machine: threads.py)
+        governor = self._governors.get((len(weights), T)) or self._governors.setdefault((len(weights), T),
+                                                                                         ThreadGovernor())
+        n = governor.choose()
+        if n != self.kernels.get_num_threads():
+            self.kernels.set_num_threads(n)             # (this thread's; the output head after it runs on n too)
+        t0 = time.perf_counter()
         self.kernels.decode_blocks(x, weights, caches, start, cos, sin, c.n_heads, c.norm_eps, model.int8_inputs)
+        governor.record(n, time.perf_counter() - t0)
 
     def warm_up(self, model, kv_dtype: str = "float32") -> float:
         """Compile (or load from Numba's disk cache) the kernels of this model's weight formats, activations setting

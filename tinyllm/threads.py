@@ -5,24 +5,142 @@ OpenBLAS's threads also spin-wait after each call, stealing the cores from the n
 by OPENBLAS_THREAD_TIMEOUT, which OpenBLAS reads once when numpy loads it, so it must be in the environment before
 numpy is imported: the scripts and benchmarks set it on their first lines (importing tinyllm changes nothing in
 the environment).
+
+And other processes may be using the cores too: `ThreadGovernor` chooses each decode step's thread count (at most
+the cap) from the measured step times and the machine's runnable tasks.
 """
 from __future__ import annotations
 
 import os
 
+import numpy as np
+
 _limits = None  # keeps the threadpoolctl limit alive for the life of the process
+_allowed = None  # the count set_threads was given (None: Numba's default, every core)
 
 
 def set_threads(n: int) -> None:
     """Use at most `n` threads for BLAS and for Numba (1 <= n <= the machine's cores)."""
-    global _limits
-    cores = os.cpu_count() or 1
-    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= cores:
-        raise ValueError(f"invalid threads={n!r}: must be an integer from 1 to {cores} (this machine's cores)")
+    global _limits, _allowed
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= cores():
+        raise ValueError(f"invalid threads={n!r}: must be an integer from 1 to {cores()} (this machine's cores)")
     from threadpoolctl import threadpool_limits
 
     import numba
 
     _limits = threadpool_limits(limits=n)
-    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    _allowed = min(n, numba.config.NUMBA_NUM_THREADS)
+    numba.set_num_threads(_allowed)
 
+
+def allowed() -> int:
+    """The most threads a kernel may use: set_threads' count, else every thread Numba starts."""
+    import numba
+
+    return _allowed or numba.config.NUMBA_NUM_THREADS
+
+
+def cores() -> int:
+    """The machine's cores (logical CPUs)."""
+    return os.cpu_count() or 1
+
+
+def others_running() -> int | None:
+    """How many tasks of other processes are running or ready to run on this machine right now: Linux's count of
+    runnable tasks (/proc/loadavg's fourth field) less this process's own runnable threads; None where that
+    cannot be read."""
+    try:
+        with open("/proc/loadavg", encoding="ascii") as f:
+            runnable = int(f.read().split()[3].split("/")[0])
+        mine = 0
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/stat", encoding="ascii", errors="replace") as f:
+                mine += f.read().rpartition(")")[2].split()[0] == "R"      # the state field follows the name
+        return max(runnable - mine, 0)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class ThreadGovernor:
+    """How many threads the next decode step runs on: the most allowed while the machine has cores for them, one
+    (or fewer) while other work keeps them busy.
+
+    A decode step's threads meet at barriers some 200 times (kernels/spin_barrier.py). On a machine whose cores are
+    busy with other work, each barrier can wait for a thread the scheduler has set aside, and one thread then
+    decodes several times faster than two (docs/design/kernels.md, "A busy machine"). So the count is measured:
+    PROBE steps run on the other count, and the faster one wins (by BETTER, or noise would flip it back and forth).
+    A probe starts
+
+    - on the most threads: when the last three steps' median is SLOWER than the best step (other work has
+      started), and now and then (every `gap` steps, a gap that doubles each time the count is confirmed, up to
+      MAX_GAP: a quiet machine pays a fraction of a percent);
+    - on fewer threads: once Linux's count of runnable tasks has shown a free core CLIMB looks in a row (the
+      other work has ended), and after the gap: a probe of more threads on a busy machine costs a stalled step
+      (a probe step STALLED ends its probe), so it waits at least CLIMB_GAP steps. The count of free cores also
+      sets the first count.
+
+        n = governor.choose(); numba.set_num_threads(n); <the step>; governor.record(n, seconds)
+    """
+    PROBE, FIRST_GAP, CLIMB_GAP, MAX_GAP = 3, 64, 256, 1024   # steps
+    CLIMB, LOOK = 3, 4   # looks in a row (one every LOOK steps) that see a free core before more threads are tried
+    SLOWER = 1.5         # the median of the last 3 steps this much slower than the best: the machine got busier
+    STALLED = 4.0        # a probe step this much slower than the best: that count loses at once
+    BETTER = 0.95        # the other count must be at least 5% faster to switch
+
+    def __init__(self, most=None):
+        self._most = most                      # None: threads.allowed() at each step (set_threads may change it)
+        self.current = None                    # the count steps run on
+        self.probing = None                    # the count being tried, during a probe
+        self.gap = self.until_probe = self.FIRST_GAP
+        self.recent, self.trial, self.best = [], [], None
+        self.switches, self.free_seen = 0, 0
+
+    @property
+    def most(self) -> int:
+        return self._most or allowed()
+
+    def choose(self) -> int:
+        most = self.most
+        if self.current is None:               # the first step: as many threads as cores free, at least one
+            others = others_running()
+            self.current = most if others is None else max(1, min(most, cores() - others))
+            if self.current < most:
+                self.gap = self.until_probe = self.CLIMB_GAP
+        self.current = min(self.current, most)
+        return min(self.probing or self.current, most)
+
+    def record(self, n: int, seconds: float) -> None:
+        if self.probing is not None:
+            self.trial.append(seconds)
+            if len(self.trial) >= self.PROBE or seconds > self.STALLED * self.best:
+                self._decide()
+            return
+        self.recent = (self.recent + [seconds])[-8:]
+        self.best = min(self.best or seconds, seconds)
+        if self.most == 1:
+            return
+        self.until_probe -= 1
+        if self.current < self.most:           # on fewer threads: more once cores come free, or after the gap
+            if self.until_probe % self.LOOK == 0:
+                others = others_running()       # (tens of microseconds: every LOOK steps)
+                free = others is not None and others + self.current < cores()
+                self.free_seen = self.free_seen + 1 if free else 0
+            if self.free_seen >= self.CLIMB or self.until_probe <= 0:
+                self._probe(min(2 * self.current, self.most))
+            return
+        slowed = len(self.recent) >= 3 and float(np.median(self.recent[-3:])) > self.SLOWER * self.best
+        if slowed or self.until_probe <= 0:
+            self._probe(max(self.current // 2, 1))
+
+    def _probe(self, n: int) -> None:
+        self.probing, self.trial, self.free_seen = n, [], 0
+
+    def _decide(self) -> None:
+        mine, theirs = float(np.median(self.recent[-self.PROBE:])), float(np.median(self.trial))
+        if theirs < self.BETTER * mine:
+            fewer = self.probing < self.current
+            self.current, self.recent, self.best = self.probing, list(self.trial), theirs
+            self.gap, self.switches = self.CLIMB_GAP if fewer else self.FIRST_GAP, self.switches + 1
+        else:                                  # confirmed: wait longer, from today's speed (context grows)
+            self.gap, self.best = min(2 * self.gap, self.MAX_GAP), mine
+        self.probing, self.trial, self.until_probe = None, [], self.gap

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import sys
 
+from numba import get_num_threads, set_num_threads
+
 from .. import ops
 from . import isa  # noqa: F401  (first: TINYLLM_ISA=avx2 sets Numba's target before any kernel compiles)
 from . import disk_cache
@@ -50,7 +52,7 @@ layernorm, gelu_tanh, gelu = ops.layernorm, ops.gelu_tanh, ops.gelu     # not ho
 
 __all__ = ["linear", "rmsnorm", "layernorm", "apply_rope", "swiglu", "gelu_tanh", "gelu", "attention", "paged_attention",
            "decode_blocks", "block_weights", "cache_operands", "for_rows", "FUSED_ROWS", "PREFILL_CHUNK", "SMALL_M",
-           "HAVE_VNNI", "warmup", "warmup_paged"]
+           "HAVE_VNNI", "warmup", "warmup_paged", "get_num_threads", "set_num_threads"]
 
 
 def for_rows(n_rows: int):

@@ -7,25 +7,32 @@ threading layers) wait for each other between the stages of a block by counting 
 array with atomic operations (a central counter with a generation number, the textbook sense-reversing barrier):
 
     state[COUNT]       arrivals at the current barrier (0 between barriers)
-    state[GENERATION]  how many barriers have opened; a waiting thread spins until it changes
+    state[SLEEPERS]    threads asleep in the kernel waiting for the generation to change
+    state[GENERATION]  how many barriers have opened; a waiting thread waits until it changes
 
-The two sit 128 bytes apart, so that the spinning reads do not share a cache line with the arrivals' writes. A
-thread that waits spins (with the x86 `pause` hint): the waits are microseconds, far shorter than putting a
-thread to sleep and waking it. Every thread of the region must reach every barrier, or the others spin forever:
-the threaded block is written so that all threads run the same sequence of stages.
+The slots sit 64 or more bytes apart, so that the spinning reads do not share a cache line with the arrivals'
+writes. A thread that waits first spins (with the x86 `pause` hint) for about SPIN_CYCLES: on a quiet machine the
+waits are microseconds, far shorter than putting a thread to sleep and waking it. Past that, the thread it waits
+for is most likely not running at all (another process has its core), and spinning on would burn the very time
+slice that thread needs, so the waiter sleeps on a futex (Linux's wait-on-an-address, as libgomp's and glibc's
+barriers do) and the last to arrive wakes it. On other systems it spins on. Every thread of the region must reach
+every barrier, or the others wait forever: the threaded block is written so that all threads run the same
+sequence of stages.
 """
 from __future__ import annotations
 
 import platform
 
 import numpy as np
-from llvmlite import ir
+from llvmlite import binding as llvm, ir
 from numba import config, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-COUNT, GENERATION = 0, 16            # int64 slots, 128 bytes apart
+COUNT, SLEEPERS, GENERATION = 0, 8, 16       # int64 slots, 64 and 128 bytes apart
 STATE_SIZE = 32
+SPIN_CYCLES = 100_000     # time-stamp counter ticks (some 30-50 microseconds) of spinning before sleeping
+FUTEX_WAIT, FUTEX_WAKE = 128, 129                 # FUTEX_WAIT / FUTEX_WAKE with FUTEX_PRIVATE_FLAG (one process)
 
 
 def new_state() -> np.ndarray:
@@ -69,6 +76,35 @@ else:
             return context.get_dummy_value()
         return types.void(), codegen
 
+    # Sleeping needs Linux's futex system call, made directly (inline `syscall`: nothing to link, so the kernels
+    # that inline the barrier stay cacheable); x86-64 Linux only, elsewhere a waiter spins.
+    CAN_SLEEP = _X86 and platform.system() == "Linux" and platform.architecture()[0] == "64bit"
+    _SYS_FUTEX = 202                                  # x86-64's number for futex
+    if CAN_SLEEP:
+        llvm.initialize_native_asmparser()            # (Numba does not: LLVM then cannot emit inline assembly)
+
+    @intrinsic
+    def _futex(typingctx, state, i, op, value):
+        """futex(&state[i], op, value): FUTEX_WAIT sleeps while the low 32 bits of state[i] equal value (returns at
+        once if they differ), FUTEX_WAKE wakes up to value sleepers -> the call's result."""
+        def codegen(context, builder, signature, args):
+            i64 = ir.IntType(64)
+            address = builder.ptrtoint(_slot(context, builder, signature, args), i64)
+            zero = ir.Constant(i64, 0)
+            call = ir.FunctionType(i64, [i64] * 6)
+            return builder.asm(call, "syscall", "={rax},{rax},{rdi},{rsi},{rdx},{r10},{r8},~{rcx},~{r11},~{memory}",
+                               [ir.Constant(i64, _SYS_FUTEX), address, args[2], args[3], zero, zero], True)
+        return types.int64(state, types.intp, types.int64, types.int64), codegen
+
+    @intrinsic
+    def _cycles(typingctx):
+        """The time-stamp counter (rdtsc): a clock that costs nanoseconds to read."""
+        def codegen(context, builder, signature, args):
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), []),
+                                                "llvm.readcyclecounter")
+            return builder.call(fn, [])
+        return types.int64(), codegen
+
     @njit(fastmath=True, cache=True, nogil=True, error_model="numpy")
     def barrier(state, n):
         """Wait until all n threads of the region have arrived here."""
@@ -78,6 +114,14 @@ else:
         if _fetch_add(state, COUNT, 1) == n - 1:     # the last to arrive: reset the count, open the barrier
             _fetch_add(state, COUNT, -n)
             _fetch_add(state, GENERATION, 1)
+            if CAN_SLEEP and _read(state, SLEEPERS) > 0:   # (after the locked add: a sleeper counted is woken)
+                _futex(state, GENERATION, FUTEX_WAKE, n)
         else:
+            start = _cycles()
             while _read(state, GENERATION) == generation:
-                _pause()
+                if CAN_SLEEP and _cycles() - start > SPIN_CYCLES:
+                    _fetch_add(state, SLEEPERS, 1)              # before the kernel checks the generation again
+                    _futex(state, GENERATION, FUTEX_WAIT, generation & 0xFFFFFFFF)
+                    _fetch_add(state, SLEEPERS, -1)
+                else:
+                    _pause()

@@ -1,0 +1,112 @@
+"""A busy machine: the barrier's sleep under more threads than cores, and the thread governor's choices."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tinyllm import threads
+from tinyllm.threads import ThreadGovernor
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_steps(governor, step_seconds, steps):
+    """Drive a governor for `steps` decode steps whose time is step_seconds(n_threads, step) -> the counts used."""
+    used = []
+    for i in range(steps):
+        n = governor.choose()
+        used.append(n)
+        governor.record(n, step_seconds(n, i))
+    return np.array(used)
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """A two-core machine whose other processes' runnable tasks are machine['others']."""
+    state = {"others": 0}
+    monkeypatch.setattr(threads, "cores", lambda: 2)
+    monkeypatch.setattr(threads, "others_running", lambda: state["others"])
+    return state
+
+
+def test_on_a_quiet_machine_the_governor_keeps_every_thread_and_probes_rarely(machine):
+    quiet = lambda n, i: {2: 0.010, 1: 0.016}[n]                      # noqa: E731  two threads 1.6x faster
+    used = run_steps(ThreadGovernor(most=2), quiet, 4000)
+    assert used[0] == 2 and used[-1] == 2
+    assert 0 < (used == 1).sum() <= 0.01 * len(used)                 # probes happen, and cost under 1% of steps
+
+
+def test_when_other_work_starts_the_governor_drops_to_one_thread_within_a_few_steps(machine):
+    governor = ThreadGovernor(most=2)
+    quiet = run_steps(governor, lambda n, i: {2: 0.010, 1: 0.016}[n], 100)
+    machine["others"] = 4                                             # busy processes, seen as runnable tasks
+    busy = run_steps(governor, lambda n, i: {2: 0.500, 1: 0.020}[n], 900)   # two threads: stalled barriers
+    assert quiet[-1] == 2
+    assert (busy[:10] == 2).sum() <= 3                                # two or three stalled steps, then one thread
+    assert (busy[10:] == 2).sum() <= 3                                # then a stalled probe step now and then
+
+
+def test_the_governor_climbs_back_once_cores_come_free_and_starts_from_what_is_free(machine):
+    steps = {2: 0.010, 1: 0.016}
+    machine["others"] = 3
+    governor = ThreadGovernor(most=2)
+    assert governor.choose() == 1                                     # started on a busy machine: one thread
+    run_steps(governor, lambda n, i: steps[n], 200)
+    assert governor.current == 1                                      # (busy: never tried two)
+    machine["others"] = 0
+    used = run_steps(governor, lambda n, i: steps[n], 40)
+    assert used[-1] == 2 and governor.current == 2
+
+
+def test_a_governor_of_one_allowed_thread_never_asks_for_two(machine):
+    used = run_steps(ThreadGovernor(most=1), lambda n, i: 0.01 * (1 + i % 7), 500)
+    assert (used == 1).all()
+
+
+def test_others_running_counts_a_busy_process_and_not_this_ones_threads():
+    if threads.others_running() is None:
+        pytest.skip("no /proc/loadavg here")
+    busy = subprocess.Popen(["sh", "-c", "(while :; do :; done) & while :; do :; done"], start_new_session=True)
+    try:
+        seen = max(threads.others_running() for _ in range(200))
+    finally:
+        os.killpg(busy.pid, 9)
+        busy.wait()
+    assert seen >= 1
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the futex sleep is Linux's")
+def test_the_threaded_block_with_more_threads_than_cores_and_a_busy_process_gives_the_same_logits():
+    """Four threads on this machine's cores beside a busy process: the barrier's waiters sleep and are woken, and
+    the decode of a random model gives the logits of one thread, bit for bit, in bounded time (no lost wake-up)."""
+    code = textwrap.dedent("""
+        import sys, numpy as np, numba
+        sys.path.insert(0, "tests")
+        from test_model import random_model
+        from tinyllm.kernels import block
+        m = random_model("llama", dim=64, ffn_dim=64, quant="q4_1", activations="int8")
+        ids = np.random.default_rng(3).integers(0, 50, 40)
+        out = []
+        for n in (4, 1):
+            numba.set_num_threads(n)
+            block._plain_only = False
+            cache = m.new_cache(48)
+            logits = [m.forward(ids[:4], cache)] + [m.forward(ids[i:i + 1], cache) for i in range(4, 40)]
+            out.append(np.concatenate(logits))
+        assert np.array_equal(out[0], out[1]), np.abs(out[0] - out[1]).max()
+        print("same")
+    """)
+    busy = subprocess.Popen(["sh", "-c", "(while :; do :; done) & while :; do :; done"], start_new_session=True)
+    try:
+        done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ, NUMBA_NUM_THREADS="4"))
+    finally:
+        os.killpg(busy.pid, 9)
+        busy.wait()
+    assert done.returncode == 0 and done.stdout.strip() == "same", done.stderr[-2000:]
