@@ -106,8 +106,9 @@ class NumbaBackend:
                                                     for i in range(len(weights))]
         cos, sin = model.rope_cos[start:start + T], model.rope_sin[start:start + T]   # [T, Dh/2] each
         # how many threads: the most allowed, unless fewer ran faster lately (a busy machine: threads.py)
-        governor = self._governors.get((len(weights), T)) or self._governors.setdefault((len(weights), T),
-                                                                                         ThreadGovernor())
+        governor = self._governors.get((len(weights), T))
+        if governor is None:
+            governor = self._governors[len(weights), T] = ThreadGovernor()
         n = governor.choose()
         if n != self.kernels.get_num_threads():
             self.kernels.set_num_threads(n)             # (this thread's; the output head after it runs on n too)

@@ -128,7 +128,7 @@ class ThreadGovernor:
             if self.free_seen >= self.CLIMB or self.until_probe <= 0:
                 self._probe(min(2 * self.current, self.most))
             return
-        slowed = len(self.recent) >= 3 and float(np.median(self.recent[-3:])) > self.SLOWER * self.best
+        slowed = len(self.recent) >= 3 and sorted(self.recent[-3:])[1] > self.SLOWER * self.best   # (their median)
         if slowed or self.until_probe <= 0:
             self._probe(max(self.current // 2, 1))
 
