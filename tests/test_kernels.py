@@ -558,6 +558,34 @@ def test_nothing_cached_is_true_for_an_empty_cache_folder(tmp_path):
     assert out.strip() == "True"
 
 
+CACHE_KEYS = """
+import importlib, pkgutil
+from numba.core.registry import CPUDispatcher
+import tinyllm.kernels as package
+found = {}
+for info in pkgutil.iter_modules(package.__path__):
+    module = importlib.import_module(f"tinyllm.kernels.{info.name}")
+    for name, value in vars(module).items():
+        for i, f in enumerate(value.values() if isinstance(value, dict) else [value]):
+            if isinstance(f, CPUDispatcher) and hasattr(f._cache, "_index_key") and f.py_func.__closure__:
+                key = f._cache._index_key((), f.targetctx.codegen())[2]
+                found[f"{info.name}.{name}.{i}"] = key
+print(sorted(found.items()))
+"""
+
+
+def test_cached_closures_have_the_same_cache_key_in_every_process():
+    """Numba keys a cached closure on its captured values (pickled): a value that pickles differently in each
+    process (a dispatcher did, in the threaded block's wrapper) makes every run recompile it. Two processes must
+    compute the same key for every closure kernel in the package."""
+    import subprocess
+    import sys
+    runs = [subprocess.run([sys.executable, "-c", CACHE_KEYS], capture_output=True, text=True, check=True).stdout
+            for _ in range(2)]
+    assert "block.THREADED_BLOCKS.1" in runs[0], "the threaded block's wrappers are closures: the check sees them"
+    assert runs[0] == runs[1]
+
+
 HELPER_CHECK = """
 import importlib
 import time

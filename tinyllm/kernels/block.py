@@ -235,15 +235,26 @@ def _compile_threaded_block(int8_inputs: bool):
                 for t in range(T):
                     for i in range(D):
                         x[t, i] = xm[t, i] + delta[t, i]
+    return threaded_block
 
+
+def _named_threaded_block(int8_inputs: bool):
+    """threaded_block of that setting on the plain tuples Python passes (a parallel region takes its weights named
+    already). It reaches the parallel function through a global, never its closure: Numba keys a cached closure on
+    its captured values, and a captured dispatcher pickles differently in every process (a recompile every run)."""
     @njit(**SERIAL)
     def named_threaded_block(x, attn_norm, ffn_norm, wqkv, wo, w_in, w_out, int_dots, k_cache, k_scales, v_cache,
                              v_scales, pos, cos, sin, n_heads, eps, kv_shape, state, n):
-        """threaded_block on the plain tuples Python passes (a parallel region takes its weights named already)."""
-        threaded_block(x, attn_norm, ffn_norm, named(wqkv), named(wo), named(w_in), named(w_out), int_dots, k_cache,
-                       k_scales, v_cache, v_scales, pos, cos, sin, n_heads, eps, kv_shape, state, n)
+        wqkv, wo, w_in, w_out = named(wqkv), named(wo), named(w_in), named(w_out)
+        if int8_inputs:                                             # (a constant: the other branch never compiles)
+            threaded_block_int8(x, attn_norm, ffn_norm, wqkv, wo, w_in, w_out, int_dots, k_cache, k_scales, v_cache,
+                                v_scales, pos, cos, sin, n_heads, eps, kv_shape, state, n)
+        else:
+            threaded_block_float(x, attn_norm, ffn_norm, wqkv, wo, w_in, w_out, int_dots, k_cache, k_scales, v_cache,
+                                 v_scales, pos, cos, sin, n_heads, eps, kv_shape, state, n)
     return named_threaded_block
 
 
 BLOCKS = {False: _compile_block(False), True: _compile_block(True)}     # by activations setting
-THREADED_BLOCKS = {False: _compile_threaded_block(False), True: _compile_threaded_block(True)}
+threaded_block_float, threaded_block_int8 = _compile_threaded_block(False), _compile_threaded_block(True)
+THREADED_BLOCKS = {False: _named_threaded_block(False), True: _named_threaded_block(True)}
