@@ -43,12 +43,13 @@ def test_linear_panels_matches_numpy(fmt, M, O, I):
 
 
 @pytest.mark.parametrize("fmt", list(quant.FORMATS))
-@pytest.mark.parametrize("M", [1, 2, 3, 7, 8, 9, 17, 64, 130])
+@pytest.mark.parametrize("M", [1, 2, 3, 7, 8, 9, 16, 17, 64, 130])
 @pytest.mark.parametrize("O, I", [(1, 32), (33, 64), (130, 96), (7, 1536), (5, 544)])
 def test_linear_with_int8_inputs_matches_numpy(fmt, M, O, I):
-    """Weights that multiply int8-rounded inputs: the integer dot kernels below TILE_MIN_ROWS rows, the integer
-    tiles from INTEGER_TILES_FROM rows (17 with VNNI, 8 with AVX2: run under TINYLLM_ISA=avx2 too), else the tiled
-    float kernels on the rounded rows, BLAS beyond SMALL_M rows, all against NumpyOps.linear."""
+    """Weights that multiply int8-rounded inputs: the integer row dots below TILE_MIN_ROWS rows (4-bit weights: up
+    to 16), the integer tiles from dispatch.integer_tiles_from rows (8 for 8-bit weights, 17 for 4-bit ones; run
+    under TINYLLM_ISA=avx2 too), else the tiled float kernels on the rounded rows, BLAS beyond SMALL_M rows, all
+    against NumpyOps.linear."""
     w = RNG.normal(0, 0.1, (O, I)).astype(np.float32)
     x = RNG.normal(0, 1, (M, I)).astype(np.float32)
     x[:, :3] *= 20                                                    # an outlier block, as real activations have

@@ -6,7 +6,7 @@
     .. SMALL_M           the same (panel_kernels.py from         tiled_causal_attention (prefill_attention.py)
                          PANEL_MIN_ROWS, fp32 and 4-bit, and
                          int8 without AVX-512; with int8 inputs,
-                         from INTEGER_TILES_FROM: the integer
+                         from integer_tiles_from(w): the integer
                          tiles, VNNI's or AVX2's)
     more                 BLAS sgemm (blas.py)                    numpy (backend.NumpyOps.attention)
 
@@ -43,9 +43,16 @@ SMALL_M = 128     # up to this many rows the Numba linears beat BLAS (docs/desig
 FEW_TOKENS = 16   # up to this many query tokens attention splits over positions (decode, verification)
 FUSED_ROWS = 0 if config.DISABLE_JIT else FEW_TOKENS   # the fused block needs compiled code (linear_into)
 PREFILL_CHUNK = SMALL_M   # a longer prompt is prefilled in chunks this long: every pass stays in these kernels
-# from this many rows with int8 inputs, the integer tiles (VNNI: past FEW_TOKENS; AVX2, whose row dots cost two
-# instructions per vpdpbusd, from TILE_MIN_ROWS: a batch of 8 too; docs/design/kernels.md, "Prompt chunks")
-INTEGER_TILES_FROM = FEW_TOKENS + 1 if intdot.INT_DOTS == "vnni" else TILE_MIN_ROWS
+# With int8 inputs, from this many rows the integer tiles; below, the integer row dots. 8-bit weights: a batch of 8
+# too; 4-bit ones: past FEW_TOKENS, as a tile's 4-bit panels cost more to pack (docs/design/kernels.md, "Prompt
+# chunks")
+INTEGER_TILES_FROM = TILE_MIN_ROWS
+Q4_INTEGER_TILES_FROM = FEW_TOKENS + 1
+
+
+def integer_tiles_from(w) -> int:
+    """From how many input rows a quantized weight w multiplies int8-rounded inputs in integer tiles."""
+    return Q4_INTEGER_TILES_FROM if isinstance(w, Q4Weight) else INTEGER_TILES_FROM
 
 
 # --- linear -----------------------------------------------------------------------------------------------------
@@ -55,7 +62,8 @@ def linear_into(w, x, out, int8_inputs: bool, int_dots: bool) -> None:
     versions (intdot.USE_INT_DOTS), as may the integer tiles of a prompt chunk.
     This Python body is what `linear` runs (so a first run compiles only the kernels it meets); compiled callers
     (the fused block) get the overload below: the same rule, specialised to the format when they compile, for
-    their at most FEW_TOKENS rows (a block compiles no integer tile: from TILE_MIN_ROWS it takes the float tiles)."""
+    their at most FEW_TOKENS rows (a block compiles no integer tile: 8-bit weights from TILE_MIN_ROWS take the float
+    tiles)."""
     few, many, integer = ((linear_q4, linear_q4, linear_q4_a8) if isinstance(w, Q4Weight)
                           else (linear_q6k, linear_q6k, linear_q6k_a8) if isinstance(w, Q6KWeight)   # (no tiles)
                           else (linear_rows, linear_tiled, linear_int8_a8))
@@ -63,10 +71,11 @@ def linear_into(w, x, out, int8_inputs: bool, int_dots: bool) -> None:
     if x.shape[0] >= PANEL_MIN_ROWS and not k_quant and (not isinstance(w, INT8) or PANELS_FOR_INT8):   # a prompt
         many = linear_panels                                                             # chunk (int8: no AVX-512)
     rounded = int8_inputs and isinstance(w, QUANTIZED)
-    if rounded and x.shape[0] < TILE_MIN_ROWS:                           # a few rows: integer dot products
+    tiles_from = integer_tiles_from(w)
+    row_dots_below = tiles_from if isinstance(w, Q4Weight) and intdot.USE_INT_DOTS else TILE_MIN_ROWS
+    if rounded and x.shape[0] < row_dots_below:                          # a few rows: integer dot products
         integer(w, x, out, int_dots)
-    elif rounded and intdot.USE_INT_DOTS and x.shape[0] >= INTEGER_TILES_FROM and x.shape[1] % BLOCK == 0 \
-            and not k_quant:
+    elif rounded and intdot.USE_INT_DOTS and x.shape[0] >= tiles_from and x.shape[1] % BLOCK == 0 and not k_quant:
         linear_integer_panels(w, x, out)                                 # many rows: integer tiles
     else:                                                                # float kernels (on the rounded rows)
         (few if x.shape[0] < TILE_MIN_ROWS else many)(w, round_rows(x) if rounded else x, out)
@@ -87,8 +96,10 @@ def _linear_into_typed(w, x, out, int8_inputs, int_dots):
         else:
             many(w, x, out)
 
+    row_dots_below = Q4_INTEGER_TILES_FROM if typed_as(w, Q4Weight) else TILE_MIN_ROWS
+
     def rounded(w, x, out, int8_inputs, int_dots):                       # quantized weights, int8 activations
-        if x.shape[0] < TILE_MIN_ROWS:
+        if x.shape[0] < row_dots_below:
             integer(w, x, out, int_dots)
         else:
             many(w, round_rows(x), out)
