@@ -25,10 +25,10 @@ from .register_tiles import LANES, WIDE, product
 from .weight_formats import Float32Weight, Int8BlockWeight, Int8Weight, Q4Weight, typed_as
 
 # --- float inputs: weight rows dequantized once, input columns in register tiles ------------------------------
-# From this many input rows on (a prompt chunk), `linear_panels` beats linear_kernels.py's 4 x 4 tiles: with
-# AVX-512's wide register tiles for fp32 and 4-bit weights from 64 rows (int8 even); with the narrow tiles of a
-# CPU without AVX-512 for every format from 32 rows (docs/design/kernels.md, "Prompt chunks")
-PANEL_MIN_ROWS = 64 if WIDE else 32
+# From this many input rows on (a prompt chunk, a batch of 32), `linear_panels` beats linear_kernels.py's 4 x 4
+# tiles: with AVX-512's wide register tiles for fp32 and 4-bit weights (int8 even); with the narrow tiles of a CPU
+# without AVX-512 for every format (docs/design/kernels.md, "Prompt chunks")
+PANEL_MIN_ROWS = 32
 PANELS_FOR_INT8 = not WIDE
 PANEL_ROWS = 16   # weight rows per task: a whole 64-byte line of each of out's rows
 
