@@ -469,6 +469,56 @@ def test_sigterm_drains_running_streams_within_the_bound(tiny_path, drain):
             proc.wait()
 
 
+ONE_THREAD_SERVER = """
+import sys, threading
+sys.path.insert(0, {repo!r})
+import tinyllm
+from tinyllm.server import ServerOptions, build_app, serve
+server = build_app(tinyllm.load({model!r}), ServerOptions(model_name="tiny"), num_blocks=80, block_size=4)
+step, threads = server.engine.step, set()
+def recorded_step():
+    threads.add(threading.current_thread().name)
+    return step()
+server.engine.step = recorded_step
+serve(server, port={port}, log_level="warning")
+print("steps ran on:", sorted(threads), flush=True)
+"""
+
+
+def test_serve_steps_the_engine_on_the_thread_that_loaded_the_model(tiny_path):
+    """OpenMP gives each thread that starts parallel kernels its own workers; with a second pool (the loading
+    thread's, then an engine thread's) the workers outnumber the cores and libgomp cuts their waits short, which
+    made every kernel of a step wait for a wake-up (one stream over HTTP at a third of generate's speed). So
+    serve() steps the engine on the thread that called it, uvicorn on another, and the signals still stop it."""
+    sock = free_socket()
+    port = sock.getsockname()[1]
+    sock.close()
+    code = ONE_THREAD_SERVER.format(repo=str(SERVE.parent.parent), model=str(tiny_path), port=port)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, "the server was not ready within 120 s"
+            try:
+                if httpx.get(url + "/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        r = httpx.post(url + "/v1/completions", timeout=60, json={"prompt": "hi", "max_tokens": 4})
+        assert r.status_code == 200
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err.decode()[-2000:]
+        assert out.decode().strip() == "steps ran on: ['MainThread']"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_serve_script_bad_model_is_one_line(tmp_path):
     r = subprocess.run([sys.executable, str(SERVE), "--model", str(tmp_path / "missing.gguf")],
                        capture_output=True, timeout=120)

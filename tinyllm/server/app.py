@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import signal
 import threading
 import time
 from collections import OrderedDict
@@ -324,4 +325,22 @@ def serve(server: Server, host: str = "127.0.0.1", port: int = 8000, sockets=Non
             server.drain()                         # 503 to new requests; running ones end by the drain timeout
             super().handle_exit(sig, frame)
 
-    Draining(uvicorn_config(server, host, port, log_level, **limits)).run(sockets=sockets)
+    http = Draining(uvicorn_config(server, host, port, log_level, **limits))
+
+    def run_http():
+        try:
+            http.run(sockets=sockets)
+        finally:
+            server.loop.stop()                     # (uvicorn failed to start, or has shut down: the engine stops)
+
+    # The engine steps on this thread, the one that loaded the model (EngineLoop.run_here says why); uvicorn serves
+    # from another, and this thread takes the signals it would have taken.
+    server.loop.on_caller = True
+    thread = threading.Thread(target=run_http, name="tinyllm-http", daemon=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, http.handle_exit)
+    thread.start()
+    server.loop.run_here()
+    thread.join()
+    if not http.started:
+        raise SystemExit(1)                        # uvicorn could not start (it said why)

@@ -36,9 +36,19 @@ class EngineLoop:
         self.num_waiting = 0                        # published after each step, read by the handlers
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="tinyllm-engine", daemon=True)
+        self.on_caller = False                      # serve(): the loop runs in run_here's thread, not its own
 
     def start(self) -> None:
-        self.thread.start()
+        if not self.on_caller:
+            self.thread.start()
+
+    def run_here(self) -> None:
+        """Run the loop on the calling thread until stop(). serve() runs it on the thread that loaded the model:
+        OpenMP gives every thread that starts parallel kernels a pool of workers, and once a process has more
+        workers than cores their waits are cut short, so each of a step's parallel kernels waits for a wake-up
+        (docs/serving.md, "One thread runs the kernels")."""
+        self.on_caller, self.thread = True, threading.current_thread()
+        self._run()
 
     def submit(self, job: Job, loop: asyncio.AbstractEventLoop, inbox: asyncio.Queue) -> None:
         self.commands.put(("add", job, loop, inbox))
@@ -58,7 +68,8 @@ class EngineLoop:
     def stop(self, timeout: float = 10.0) -> None:
         """Abort everything still running and end the thread."""
         self.commands.put(("stop",))
-        self.thread.join(timeout)
+        if self.thread.ident and self.thread is not threading.current_thread() and not self.on_caller:
+            self.thread.join(timeout)
 
     @property
     def queued(self) -> int:
