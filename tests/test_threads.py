@@ -110,3 +110,32 @@ def test_the_threaded_block_with_more_threads_than_cores_and_a_busy_process_give
         os.killpg(busy.pid, 9)
         busy.wait()
     assert done.returncode == 0 and done.stdout.strip() == "same", done.stderr[-2000:]
+
+
+def test_batched_and_fused_steps_each_have_a_governor_that_sets_their_thread_count(monkeypatch):
+    """A batched decode step over a paged pool (op by op) and a fused decode step run on the count their own
+    governor chooses (keyed by the step's shape), and record their time with it; a traced pass is not governed."""
+    import sys
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_model import random_model
+    from tinyllm.paged import PagedKVCache
+    from tinyllm.trace import Trace
+    m = random_model("llama", dim=64, ffn_dim=64, quant="q4_1", activations="int8")
+    chosen, choose = [], ThreadGovernor.choose
+    monkeypatch.setattr(threads, "allowed", lambda: 1)                   # (so every governor chooses 1)
+    monkeypatch.setattr(ThreadGovernor, "choose", lambda self: chosen.append(self) or choose(self))
+    pool = PagedKVCache(m.config, block_size=4, num_blocks=16)
+    seqs = [pool.new_sequence() for _ in range(2)]
+    n0 = m.compute.kernels.get_num_threads()
+    monkeypatch.setattr(m.compute.kernels, "set_num_threads", lambda n: used.append(n))
+    used = []
+    m.forward_batch([[1, 2, 3], [4, 5]], seqs)
+    m.forward_batch([[6], [7]], seqs)                                     # a decode step of 2 sequences
+    m.forward([1, 2], m.new_cache(8))                                     # a fused step of 2 tokens
+    governors = m.compute._governors
+    assert ("ops", 2, 2) in governors and ("fused", len(m.layers), 2) in governors
+    assert governors["ops", 2, 2] in chosen and governors["ops", 2, 2].best is not None   # its step was recorded
+    assert n0 == 1 or used == [1] * len(used) and used                   # the chosen count was applied
+    before = len(chosen)
+    m.forward([1, 2], m.new_cache(8), trace=Trace())
+    assert len(chosen) == before

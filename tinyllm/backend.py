@@ -7,12 +7,14 @@
 Each offers the same few things to the model: `ops_for(n_rows)`, the functions a pass of that many rows runs
 (linear, rmsnorm, layernorm, apply_rope, swiglu, gelu_tanh, gelu, attention, paged_attention); `prefill_chunk`, how
 many prompt tokens one pass takes; `decode_blocks(model, x, segment)`, the fused block when `fuses` says so; and
-`warm_up`, compiling what a model and a cache format need before the first request.
+`warm_up`, compiling what a model and a cache format need before the first request; `governed(key)`, the thread
+count of a step (threads.py: fewer threads while other work keeps the cores busy).
 """
 from __future__ import annotations
 
 import time
 import weakref
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 
@@ -66,6 +68,9 @@ class NumpyBackend:
     def warm_up_paged(self, model, kv_dtype: str = "float32") -> float:
         return 0.0
 
+    def governed(self, key):
+        return nullcontext()            # (numpy's threads are BLAS's own)
+
 
 class NumbaBackend:
     """The kernels of kernels/: which of them a pass of n rows runs is kernels.for_rows' rule (dispatch.py). What
@@ -81,7 +86,7 @@ class NumbaBackend:
         self._last_layers = ((), [])                          # (the layers of the last step, their operands)
         self._cache_operands = weakref.WeakKeyDictionary()    # cache -> per layer, what it takes of K and V
         self._paged_kv_dtypes = set()                          # the pool formats warmed up for
-        self._governors = {}                                    # (layers, rows) of a fused step -> its ThreadGovernor
+        self._governors = {}                                    # a step's shape -> its ThreadGovernor
 
     def ops_for(self, n_rows: int):
         return self.kernels.for_rows(n_rows)
@@ -105,15 +110,21 @@ class NumbaBackend:
             caches = self._cache_operands[cache] = [self.kernels.cache_operands(cache.k[i], cache.v[i], c.n_heads)
                                                     for i in range(len(weights))]
         cos, sin = model.rope_cos[start:start + T], model.rope_sin[start:start + T]   # [T, Dh/2] each
-        # how many threads: the most allowed, unless fewer ran faster lately (a busy machine: threads.py)
-        governor = self._governors.get((len(weights), T))
+        with self.governed(("fused", len(weights), T)):
+            self.kernels.decode_blocks(x, weights, caches, start, cos, sin, c.n_heads, c.norm_eps, model.int8_inputs)
+
+    @contextmanager
+    def governed(self, key):
+        """Run the step inside on as many threads as the ThreadGovernor of `key` (the step's shape) chooses: the
+        most allowed, unless fewer ran faster lately (a busy machine: threads.py); its time goes to the governor."""
+        governor = self._governors.get(key)
         if governor is None:
-            governor = self._governors[len(weights), T] = ThreadGovernor()
+            governor = self._governors[key] = ThreadGovernor()
         n = governor.choose()
         if n != self.kernels.get_num_threads():
             self.kernels.set_num_threads(n)             # (this thread's; the output head after it runs on n too)
         t0 = time.perf_counter()
-        self.kernels.decode_blocks(x, weights, caches, start, cos, sin, c.n_heads, c.norm_eps, model.int8_inputs)
+        yield
         governor.record(n, time.perf_counter() - t0)
 
     def warm_up(self, model, kv_dtype: str = "float32") -> float:

@@ -13,6 +13,7 @@ canonical named arrays from weights.py.
 from __future__ import annotations
 
 import dataclasses
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +27,7 @@ from .quant import QuantizedWeight
 from .weights import fuse_layer_matrices
 
 ACTIVATIONS = ("float32", "int8")
+GOVERNED_ROWS = 32   # op-by-op passes up to this many rows (batched decode) take a governed thread count
 __all__ = ["Transformer", "LayerWeights", "BACKENDS", "ACTIVATIONS"]
 
 
@@ -231,8 +233,11 @@ class Transformer:
             groups = attention_groups(segments) if not watched else segments
             for pool in {id(g.pool): g.pool for g in groups if hasattr(g, "pool")}.values():
                 self.compute.warm_up_paged(self, pool.kv_dtype)   # (a no-op once warm: see warm_up_pool)
-            for i, layer in enumerate(self.layers):
-                x = self._block(ops, x, layer, i, rope, groups, trace, edit)   # [N, D]
+            # a batched decode step: its thread count follows the machine, as the fused step's (threads.py)
+            with self.compute.governed(("ops", len(segments), row)) if row <= GOVERNED_ROWS and not watched \
+                    else nullcontext():
+                for i, layer in enumerate(self.layers):
+                    x = self._block(ops, x, layer, i, rope, groups, trace, edit)   # [N, D]
         for s in segments:
             if s.cache is not None:
                 s.cache.length = s.start + s.n_tokens
