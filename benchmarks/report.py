@@ -534,14 +534,19 @@ def startup_section() -> list[str]:
 def contention_section() -> list[str]:
     def one(r):
         before = {(x["format"], x["competitors"]): x for x in r.get("before", [])}     # a run with --old
-        rows = [[x["format"], x["competitors"], n(x["tok_s"], 1), f"{x['of_quiet']:.2f}"]
-                + ([f"{before[k]['tok_s']:.1f} / {before[k]['of_quiet']:.2f}" if (k := (x["format"], x["competitors"]))
-                    in before else "-"] if before else []) for x in r["results"]]
+        llama = {(x["format"], x["competitors"]): x for x in r.get("llama", [])}       # a run with --llama-bench
+
+        def beside(other, x):
+            k = (x["format"], x["competitors"])
+            return [f"{other[k]['tok_s']:.1f} / {other[k]['of_quiet']:.2f}" if k in other else "-"] if other else []
+        rows = [[x["format"], x["competitors"], n(x["tok_s"], 1), f"{x['of_quiet']:.2f}"] + beside(llama, x)
+                + beside(before, x) for x in r["results"]]
         return ([f"Decode at context 64 from the Python API, {r['threads']} threads allowed, beside N processes of two "
                  f"busy threads each; tok/s = steps over the time they took (stalled steps count), medians of "
                  f"{r['rounds']} rounds of {r['seconds']:g} s per condition, measured in turn; of quiet = the "
                  "median of each round's ratio to that round's quiet run.", ""]
                 + table(["format", "busy processes", "tok/s", "of quiet"]
+                        + (["llama.cpp (F32 / Q4_1 file): tok/s / of quiet"] if r.get("llama") else [])
                         + (["--old checkout: tok/s / of quiet"] if r.get("before") else []), rows, right=2))
     return (["## A busy machine", "",
              "Why the threads follow the machine: [docs/design/kernels.md](../docs/design/kernels.md#a-busy-machine).",
