@@ -127,15 +127,30 @@ def test_batched_and_fused_steps_each_have_a_governor_that_sets_their_thread_cou
     pool = PagedKVCache(m.config, block_size=4, num_blocks=16)
     seqs = [pool.new_sequence() for _ in range(2)]
     n0 = m.compute.kernels.get_num_threads()
-    monkeypatch.setattr(m.compute.kernels, "set_num_threads", lambda n: used.append(n))
+    from tinyllm import backend
+    monkeypatch.setattr(backend, "step_threads", lambda n: used.append(n))
     used = []
     m.forward_batch([[1, 2, 3], [4, 5]], seqs)
     m.forward_batch([[6], [7]], seqs)                                     # a decode step of 2 sequences
     m.forward([1, 2], m.new_cache(8))                                     # a fused step of 2 tokens
     governors = m.compute._governors
-    assert ("ops", 2, 2) in governors and ("fused", len(m.layers), 2) in governors
+    assert ("ops", 2, 2) in governors and ("ops", 2, 8) in governors and ("fused", len(m.layers), 2) in governors
     assert governors["ops", 2, 2] in chosen and governors["ops", 2, 2].best is not None   # its step was recorded
     assert n0 == 1 or used == [1] * len(used) and used                   # the chosen count was applied
     before = len(chosen)
     m.forward([1, 2], m.new_cache(8), trace=Trace())
     assert len(chosen) == before
+
+
+def test_step_threads_sets_numba_and_blas_counts():
+    """A governed step's count reaches both pools: Numba's (this thread's) and numpy's BLAS (threadpoolctl)."""
+    import numba
+    from threadpoolctl import threadpool_info
+    n0 = numba.get_num_threads()
+    try:
+        threads.step_threads(1)
+        assert numba.get_num_threads() == 1
+        assert all(lib["num_threads"] == 1 for lib in threadpool_info() if lib["user_api"] == "blas")
+    finally:
+        threads.step_threads(n0)
+    assert all(lib["num_threads"] == n0 for lib in threadpool_info() if lib["user_api"] == "blas")

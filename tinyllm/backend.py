@@ -21,7 +21,7 @@ import numpy as np
 from . import ops
 from .kv_cache import ContiguousKVCache, attention_inputs
 from .quant import QuantizedWeight, round_activations
-from .threads import ThreadGovernor
+from .threads import ThreadGovernor, step_threads
 
 BACKENDS = ("numba", "numpy")
 
@@ -122,7 +122,7 @@ class NumbaBackend:
             governor = self._governors[key] = ThreadGovernor()
         n = governor.choose()
         if n != self.kernels.get_num_threads():
-            self.kernels.set_num_threads(n)             # (this thread's; the output head after it runs on n too)
+            step_threads(n)                             # (Numba's for this thread, and BLAS's; the head runs on n too)
         t0 = time.perf_counter()
         yield
         governor.record(n, time.perf_counter() - t0)

@@ -27,7 +27,6 @@ from .quant import QuantizedWeight
 from .weights import fuse_layer_matrices
 
 ACTIVATIONS = ("float32", "int8")
-GOVERNED_ROWS = 32   # op-by-op passes up to this many rows (batched decode) take a governed thread count
 __all__ = ["Transformer", "LayerWeights", "BACKENDS", "ACTIVATIONS"]
 
 
@@ -233,9 +232,10 @@ class Transformer:
             groups = attention_groups(segments) if not watched else segments
             for pool in {id(g.pool): g.pool for g in groups if hasattr(g, "pool")}.values():
                 self.compute.warm_up_paged(self, pool.kv_dtype)   # (a no-op once warm: see warm_up_pool)
-            # a batched decode step: its thread count follows the machine, as the fused step's (threads.py)
-            with self.compute.governed(("ops", len(segments), row)) if row <= GOVERNED_ROWS and not watched \
-                    else nullcontext():
+            # its thread count follows the machine, as the fused step's (threads.py); one governor per number of
+            # sequences and power of two of rows, as steps of one shape take about the same time
+            shape = ("ops", len(segments), 1 << (row - 1).bit_length())
+            with self.compute.governed(shape) if not watched else nullcontext():
                 for i, layer in enumerate(self.layers):
                     x = self._block(ops, x, layer, i, rope, groups, trace, edit)   # [N, D]
         for s in segments:

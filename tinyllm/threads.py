@@ -61,6 +61,26 @@ def others_running() -> int | None:
         return None
 
 
+_blas, _blas_threads = None, None   # numpy's BLAS libraries (threadpoolctl's controllers) and the count set on them
+
+
+def step_threads(n: int) -> None:
+    """Run the next steps on n threads: Numba's parallel loops (this thread's count) and numpy's BLAS, whose sgemm
+    takes the passes of many rows and whose waiting threads stall on a busy machine as Numba's do. Called by the
+    governed steps (backend.governed) with n <= allowed()."""
+    global _blas, _blas_threads
+    import numba
+
+    numba.set_num_threads(n)
+    if _blas is None:
+        from threadpoolctl import ThreadpoolController
+        _blas = [c for c in ThreadpoolController().lib_controllers if c.user_api == "blas"]
+    if n != _blas_threads:
+        for lib in _blas:
+            lib.set_num_threads(n)
+        _blas_threads = n
+
+
 class ThreadGovernor:
     """How many threads the next decode step runs on: the most allowed while the machine has cores for them, one
     (or fewer) while other work keeps them busy.
