@@ -39,7 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="weight format (see scripts/generate.py --help)")
     p.add_argument("--activations", default="float32", choices=["float32", "int8"])
     p.add_argument("--threads", type=int, default=None,
-                   help="threads for BLAS and Numba (default: all cores but one, which the HTTP side needs)")
+                   help="threads for BLAS and Numba at most (default: every core; each step takes fewer while other "
+                        "work keeps the cores busy)")
     g = p.add_argument_group("engine")
     g.add_argument("--kv-memory", default="256MiB", help="KV cache pool size")
     g.add_argument("--block-size", type=int, default=16, help="positions per KV block")
@@ -114,9 +115,8 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     try:
-        # One core is left to the event loop that streams every token: with Numba's workers on all the cores it
-        # takes one from a parallel kernel in every step (benchmarks/RESULTS.md, "Over HTTP").
-        tinyllm.set_threads(args.threads if args.threads is not None else max(1, (os.cpu_count() or 1) - 1))
+        if args.threads is not None:          # (else every core: the steps' governors take fewer on a busy machine)
+            tinyllm.set_threads(args.threads)
         t0 = time.perf_counter()
         model = tinyllm.load(args.model, quant=args.quant, activations=args.activations)
         default_name = Path(args.model).name.split(".")[0] if args.model else "SmolLM2-135M-Instruct"
