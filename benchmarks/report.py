@@ -280,9 +280,10 @@ def llamacpp_section() -> list[str]:
         res = r["results"]
         cols = [(file, setting) for file, settings in res.items() for setting in settings]
         tests = list(next(iter(next(iter(res.values())).values())))
-        rows = [[t] + [f"{n(res[f][s][t][0])} / {n(res[f][s][t][1])} = **{res[f][s][t][1] / res[f][s][t][0]:.2f}**"
+        rows = [[t] + [f"{n(res[f][s][t][1])} / {n(res[f][s][t][0])} = **{res[f][s][t][1] / res[f][s][t][0]:.2f}**"
                        for f, s in cols] for t in tests]
-        return ([f"tok/s, llama.cpp / tinyllm = ratio; {r['meta']['threads']} threads each, medians of "
+        return ([f"tok/s, tinyllm / llama.cpp = ratio (above 1: tinyllm is faster); {r['meta']['threads']} threads "
+                 f"each, medians of "
                  f"{r['meta']['rounds']} alternating rounds; llama.cpp's KV cache float16, tinyllm's "
                  f"{r['meta']['kv']}. `ppN`: a prompt of N tokens; `tg64`: 64 tokens decoded (`@d2048`: after "
                  "2,048); `batch B`: B sequences decoding together.", ""]
