@@ -154,3 +154,19 @@ def test_step_threads_sets_numba_and_blas_counts():
     finally:
         threads.step_threads(n0)
     assert all(lib["num_threads"] == n0 for lib in threadpool_info() if lib["user_api"] == "blas")
+
+
+def test_kernels_on_a_second_thread_are_said_once(monkeypatch, capsys):
+    """A model's kernels run on a second thread while the first lives: one warning line, said once."""
+    import threading
+    monkeypatch.setattr(threads, "_kernel_thread", None)
+    monkeypatch.setattr(threads, "_warned", False)
+    threads.note_kernel_thread()
+    threads.note_kernel_thread()
+    assert capsys.readouterr().err == ""                        # the same thread: nothing to say
+    for _ in range(2):
+        t = threading.Thread(target=threads.note_kernel_thread, name="worker")
+        t.start()
+        t.join()
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("tinyllm: warning:") and "'worker'" in err[0]

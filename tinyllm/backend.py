@@ -21,7 +21,7 @@ import numpy as np
 from . import ops
 from .kv_cache import ContiguousKVCache, attention_inputs
 from .quant import QuantizedWeight, round_activations
-from .threads import ThreadGovernor, step_threads
+from .threads import ThreadGovernor, note_kernel_thread, step_threads
 
 BACKENDS = ("numba", "numpy")
 
@@ -117,6 +117,7 @@ class NumbaBackend:
     def governed(self, key):
         """Run the step inside on as many threads as the ThreadGovernor of `key` (the step's shape) chooses: the
         most allowed, unless fewer ran faster lately (a busy machine: threads.py); its time goes to the governor."""
+        note_kernel_thread()
         governor = self._governors.get(key)
         if governor is None:
             governor = self._governors[key] = ThreadGovernor()
@@ -130,6 +131,7 @@ class NumbaBackend:
     def warm_up(self, model, kv_dtype: str = "float32") -> float:
         """Compile (or load from Numba's disk cache) the kernels of this model's weight formats, activations setting
         and a cache of kv_dtype, so that no step pays for it (a no-op for what is warm already). -> seconds"""
+        note_kernel_thread()
         blocks = {tuple(type(w) for w in (layer.wqkv, layer.wo, layer.w_in, layer.w_out)) for layer in model.layers}
         heads = (model.config.head_dim, model.config.kv_mul)          # what attention compiles code for
         return self.kernels.warmup(blocks, {type(model.lm_head)}, model.int8_inputs, model.has_fusable_blocks,

@@ -61,6 +61,28 @@ def others_running() -> int | None:
         return None
 
 
+_kernel_thread, _warned = None, False   # the first thread that ran a model's kernels; said once
+
+
+def note_kernel_thread() -> None:
+    """Called where a model's parallel kernels run (warm-up, each step): once they run on a second thread while the
+    first is alive, say once that this is slow. OpenMP gives each such thread its own workers; with more workers
+    than cores libgomp cuts their waits short, and every parallel kernel then waits for a wake-up (a server's
+    decode at a third of its speed: docs/serving.md, "One thread runs the kernels")."""
+    global _kernel_thread, _warned
+    import sys
+    import threading
+
+    me = threading.current_thread()
+    if _kernel_thread is None or not _kernel_thread.is_alive():
+        _kernel_thread = me
+    elif me is not _kernel_thread and not _warned:
+        _warned = True
+        print(f"tinyllm: warning: this model's kernels now run on thread {me.name!r} as well as on "
+              f"{_kernel_thread.name!r}; OpenMP then slows every parallel kernel: load and run a model on one thread "
+              "(docs/serving.md)", file=sys.stderr)
+
+
 _blas, _blas_threads = None, None   # numpy's BLAS libraries (threadpoolctl's controllers) and the count set on them
 
 
