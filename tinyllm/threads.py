@@ -21,7 +21,7 @@ _allowed = None  # the count set_threads was given (None: Numba's default, every
 
 def set_threads(n: int) -> None:
     """Use at most `n` threads for BLAS and for Numba (1 <= n <= the machine's cores)."""
-    global _limits, _allowed
+    global _limits, _allowed, _blas_threads
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= cores():
         raise ValueError(f"invalid threads={n!r}: must be an integer from 1 to {cores()} (this machine's cores)")
     from threadpoolctl import threadpool_limits
@@ -29,7 +29,7 @@ def set_threads(n: int) -> None:
     import numba
 
     _limits = threadpool_limits(limits=n)
-    _allowed = min(n, numba.config.NUMBA_NUM_THREADS)
+    _allowed, _blas_threads = min(n, numba.config.NUMBA_NUM_THREADS), n
     numba.set_num_threads(_allowed)
 
 
