@@ -179,7 +179,8 @@ class Timeline:
         return out
 
 
-TARGETS = {"fp32": 0.85, "int8-block+a8": 0.75, "native+a8": 0.75}   # issue 18: a step's share of the bandwidth
+# issue 35's restatement of issue 18's target: a step at least this share of the plain read of its own bytes
+TARGETS = {"fp32": 0.85, "int8-block+a8": 0.85, "native+a8": 0.85}
 
 
 def of_plain_read(t: Timeline, runs: list) -> float:
@@ -206,9 +207,10 @@ def table(results: dict, timelines: dict, bandwidth: float) -> str:
         if fmt in TARGETS:
             t = timelines[fmt, context]
             share_of_bandwidth = t.step_bytes / np.median([r["step"] for r in runs]) / 1e9 / bandwidth
-            verdicts.append(f"- {fmt} at context {context}: {share_of_bandwidth:.0%} of the read bandwidth (target "
-                            f">= {TARGETS[fmt]:.0%}: {'met' if share_of_bandwidth >= TARGETS[fmt] else 'NOT met'}); "
-                            f"{of_plain_read(t, runs):.0%} of the plain read of its bytes")
+            share = of_plain_read(t, runs)
+            verdicts.append(f"- {fmt} at context {context}: {share:.0%} of the plain read of its bytes (target "
+                            f">= {TARGETS[fmt]:.0%}: {'met' if share >= TARGETS[fmt] else 'NOT met'}); "
+                            f"{share_of_bandwidth:.0%} of the read bandwidth")
     return "\n".join(lines + ([""] + verdicts if verdicts else []))
 
 
