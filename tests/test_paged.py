@@ -253,3 +253,53 @@ def test_copy_on_write_without_a_free_block_raises_before_changing_anything():
         a.make_writable("c", 0, 4)                         # both blocks shared, nothing free to copy into
     assert (a.tables["c"], a.ref) == before
     a.check_invariants()
+
+
+def test_a_growing_sequence_takes_the_block_after_its_last_when_it_is_free():
+    """The allocator keeps a sequence's blocks one run where it can (SequenceCache.contiguous), and otherwise
+    takes any free block: the run is a preference, never a condition."""
+    a = BlockAllocator(num_blocks=8, block_size=4)
+    a.allocate("x", list(range(5)))                        # blocks 0, 1
+    a.allocate("y", list(range(100, 104)))                 # block 2
+    a.free("y")                                            # 2 is free again, at the back of the free list
+    a.ensure_slots("x", 9)                                 # x's third block: 2, the one after its last
+    assert a.tables["x"] == [0, 1, 2]
+    a.allocate("z", list(range(200, 204)))                 # takes 3 (the oldest free)
+    a.ensure_slots("x", 13)                                # 3 is taken: any free block
+    assert a.tables["x"][:3] == [0, 1, 2] and a.tables["x"][3] not in (0, 1, 2, 3)
+    a.check_invariants()
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_a_paged_sequence_on_consecutive_blocks_runs_the_fused_step_and_equals_the_contiguous_cache(kv_dtype):
+    """One sequence whose blocks are consecutive runs the fused decode step on its run of the pool: the same
+    logits as a contiguous cache's fused step, bit for bit. Once its blocks are not one run, it falls back to the
+    op-by-op step, and agrees with the contiguous cache within float rounding."""
+    model = random_model("llama", context_length=64, dim=64, ffn_dim=64, quant="q4_1", activations="int8")
+    prompt = list(np.random.default_rng(4).integers(0, 50, 7))
+    ref, ref_logits = _greedy(model, prompt, 12, model.new_cache(64, kv_dtype))
+    pool = PagedKVCache(model.config, block_size=4, num_blocks=12, kv_dtype=kv_dtype)
+    seq = pool.new_sequence()
+    fused = []
+    decode_blocks = model.compute.decode_blocks
+    model.compute.decode_blocks = lambda *a: fused.append(1) or decode_blocks(*a)
+    try:
+        got, got_logits = _greedy(model, prompt, 12, seq)
+        assert seq.contiguous() is not None and fused                       # it ran fused
+        assert got == ref and np.array_equal(got_logits, ref_logits)
+        seq.free()
+        split = pool.new_sequence()
+        logits, got = model.prefill(prompt, split), []                      # two blocks (7 tokens)
+        other = pool.new_sequence(list(range(30, 34)))                      # takes the block after split's last
+        fused.clear()
+        for _ in range(12):
+            got.append(int(np.argmax(logits)))
+            logits = model.decode_step(got[-1], split)
+        assert split.contiguous() is None        # its third block is not after its second: from then on op by op
+        assert len(fused) == 1                   # (position 7, the last slot of its second block, still ran fused)
+        assert got == ref
+        np.testing.assert_allclose(logits, ref_logits, atol=1e-4)
+        other.free()
+    finally:
+        model.compute.decode_blocks = decode_blocks
+    pool.allocator.check_invariants()

@@ -94,7 +94,7 @@ class NumbaBackend:
     def fuses(self, n_rows: int) -> bool:
         return n_rows <= self.kernels.FUSED_ROWS
 
-    def decode_blocks(self, model, x: np.ndarray, start: int, cache: ContiguousKVCache) -> None:
+    def decode_blocks(self, model, x: np.ndarray, start: int, cache) -> None:
         """Every block of `model` for the few new tokens x [T, D] (updated in place) at positions start.., one
         compiled call per layer with no Python between the kernels (block.py); tests/test_model.py checks it
         against the op-by-op blocks."""
@@ -105,10 +105,12 @@ class NumbaBackend:
             weights = [known.get(layer) or known.setdefault(layer, self.kernels.block_weights(layer))
                        for layer in model.layers]
             self._last_layers = tuple(model.layers), weights
-        caches = self._cache_operands.get(cache)
-        if caches is None or len(caches) != len(weights):
-            caches = self._cache_operands[cache] = [self.kernels.cache_operands(cache.k[i], cache.v[i], c.n_heads)
-                                                    for i in range(len(weights))]
+        k, v, key = cache.contiguous()                   # [L, S, KVH, Dh] each (a paged sequence: its run of blocks)
+        known = self._cache_operands.get(cache)
+        if known is None or known[0] != key or len(known[1]) != len(weights):
+            known = self._cache_operands[cache] = (key, [self.kernels.cache_operands(k[i], v[i], c.n_heads)
+                                                         for i in range(len(weights))])
+        caches = known[1]
         cos, sin = model.rope_cos[start:start + T], model.rope_sin[start:start + T]   # [T, Dh/2] each
         with self.governed(("fused", len(weights), T)):
             self.kernels.decode_blocks(x, weights, caches, start, cos, sin, c.n_heads, c.norm_eps, model.int8_inputs)

@@ -209,6 +209,11 @@ class ContiguousKVCache:
                 f"use a larger max_seq_len or a shorter prompt / fewer new tokens"
             )
 
+    def contiguous(self):
+        """(k, v, key): every layer's K and V as one run of positions each ([L, S_max, KVH, Dh]), what the fused
+        decode step writes and reads (backend.decode_blocks); key: what they depend on (nothing: they never move)."""
+        return self.k, self.v, None
+
     def update(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Store k, v ([T, KVH, Dh]) at positions start .. start+T-1 of `layer`; return views of 0 .. start+T-1.
 

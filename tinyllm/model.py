@@ -314,10 +314,11 @@ class Transformer:
             cache.check_room(n_new)
 
     def _fusable(self, segments: list[Segment]) -> bool:
-        """Can this pass run each block as one call: one sequence on a contiguous cache, through Llama blocks
-        without attention biases (the row count is the backend's to judge: `fuses`)?"""
-        return (self.fused_decode and len(segments) == 1 and type(segments[0].cache) is ContiguousKVCache
-                and self.has_fusable_blocks)
+        """Can this pass run each block as one call: one sequence whose K and V are one run of positions (a
+        contiguous cache, or a paged sequence on consecutive blocks), through Llama blocks without attention biases
+        (the row count is the backend's to judge: `fuses`)?"""
+        return (self.fused_decode and len(segments) == 1 and segments[0].cache is not None
+                and self.has_fusable_blocks and segments[0].cache.contiguous() is not None)
 
     @property
     def has_fusable_blocks(self) -> bool:

@@ -91,7 +91,8 @@ class BlockAllocator:
             raise OutOfBlocks(f"sequence {seq_id!r} needs {n_new} new blocks, {self.num_free} free")
         for b in table:                                    # take the hits first, so eviction cannot take them
             self._take(b)
-        table += [self._pop_free() for _ in range(n_new)]
+        for _ in range(n_new):
+            table.append(self._pop_free(after=table[-1] if table else None))
         self.tables[seq_id], self.hashed[seq_id] = table, keys
         hit = max(0, min(len(keys) * bs, n - 1))           # full-prompt hit: still run the last token
         self.hit_tokens += hit
@@ -126,7 +127,8 @@ class BlockAllocator:
         need = self.blocks_for(n_tokens) - len(table)
         if need > self.num_free:
             raise OutOfBlocks(f"sequence {seq_id!r} needs {need} more blocks, {self.num_free} free")
-        table += [self._pop_free() for _ in range(need)]
+        for _ in range(need):
+            table.append(self._pop_free(after=table[-1] if table else None))
 
     def make_writable(self, seq_id, start: int, end: int) -> list[tuple[int, int]]:
         """Prepare positions start .. end-1 of a sequence for writing. -> [(src, dst)] block copies to perform.
@@ -189,8 +191,15 @@ class BlockAllocator:
         del self.hashed[seq_id]
 
     # ---- block states
-    def _pop_free(self) -> int:
-        if self.free_list:
+    def _pop_free(self, after: int | None = None) -> int:
+        """A block for a sequence: the one after `after` (its last block) if that one is free, so that a sequence's
+        blocks tend to be one run (SequenceCache.contiguous), else the oldest free one, else the least recently used
+        cached one."""
+        nxt = None if after is None else after + 1
+        if nxt is not None and nxt < self.num_blocks and self.ref[nxt] == 0 and self.block_hash[nxt] is None:
+            self.free_list.remove(nxt)
+            b = nxt
+        elif self.free_list:
             b = self.free_list.popleft()
         elif self.evictable:                               # LRU eviction of an unreferenced cached block
             b, _ = self.evictable.popitem(last=False)
@@ -356,6 +365,16 @@ class SequenceCache:
         table = np.asarray(self.block_table, dtype=np.int64)                       # [n_blocks]
         pos = np.arange(end)                                                       # [S]
         self.slots = table[pos // self.pool.block_size] * self.pool.block_size + pos % self.pool.block_size
+
+    def contiguous(self):
+        """(k, v, key) as ContiguousKVCache.contiguous gives them ([L, capacity, KVH, Dh] views of the pool), when
+        this sequence's blocks happen to be consecutive (the allocator prefers that): the fused decode step then
+        runs on them as on a contiguous cache. key: the run's first block and length. None when they are not."""
+        table = self.block_table
+        if not table or table[-1] - table[0] != len(table) - 1 or any(b - i != table[0] for i, b in enumerate(table)):
+            return None
+        first, end = table[0] * self.pool.block_size, (table[-1] + 1) * self.pool.block_size
+        return self.pool.k_slots[:, first:end], self.pool.v_slots[:, first:end], (table[0], len(table))
 
     def update(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Store k, v ([T, KVH, Dh]) at positions start .. start+T-1; return the whole history [start+T, KVH, Dh].
