@@ -54,14 +54,6 @@ def test_q4_k_file_blocks_repack_exactly():
     np.testing.assert_array_equal(q4_k_bytes(qw), raw)                               # and back to the same bytes
 
 
-def test_q5_0_file_blocks_repack_exactly_as_int8_blocks():
-    """A file's Q5_0 blocks kept natively: whole numbers in [-16, 15] and the block's scale, ggml's values."""
-    raw = random_blocks("Q5_0", 3 * 18, np.random.default_rng(6)).reshape(3, -1)     # 3 rows of 576
-    qw = quant.from_gguf_block(raw.ravel(), "Q5_0", (3, 576))
-    assert isinstance(qw, quant.Int8Block) and qw.q.min() >= -16 and qw.q.max() <= 15
-    assert_bits_equal(qw.dequantize(), reference(raw, "Q5_0"))
-
-
 def test_q6_k_file_blocks_repack_exactly():
     """A file's Q6_K blocks kept natively (int8 values, a float32 scale per 16): ggml's values, bit for bit."""
     raw = random_blocks("Q6_K", 3 * 3, np.random.default_rng(7)).reshape(3, -1)     # 3 rows of 768
@@ -235,11 +227,13 @@ MIXED_CHECK = """
 import numpy as np
 from numba.core.registry import CPUDispatcher
 import tinyllm
-from tinyllm.kernels import attention_kernels, block, dispatch, intdot, linear_kernels, panel_kernels, pointwise, q4_kernels
+from tinyllm.kernels import (attention_kernels, block, dispatch, intdot, kquant_kernels, linear_kernels, panel_kernels,
+                             pointwise, q4_kernels, q5_kernels)
 from tiny_gguf import tiny_llama
 
 def signatures():
-    modules = (attention_kernels, block, dispatch, intdot, linear_kernels, panel_kernels, pointwise, q4_kernels)
+    modules = (attention_kernels, block, dispatch, intdot, kquant_kernels, linear_kernels, panel_kernels, pointwise,
+               q4_kernels, q5_kernels)
     return {(mod.__name__, name, sig) for mod in modules for name, f in vars(mod).items()
             if isinstance(f, CPUDispatcher) for sig in f.signatures}
 
@@ -249,7 +243,7 @@ types |= {"blk.0.ffn_down.weight": "Q4_K", "blk.1.ffn_down.weight": "Q6_K", "tok
 tiny_llama(PATH, dim=256, n_heads=4, n_kv_heads=2, ffn=256, types=types)
 m = tinyllm.load(PATH, quant="native", activations="int8")
 kinds = {tuple(type(w).__name__ for w in (l.wqkv, l.wo, l.w_in, l.w_out)) for l in m.layers}
-assert kinds == {("Int8Block",) * 3 + ("Q4KBlock",), ("Int8Block",) * 3 + ("Q6KBlock",)}, kinds
+assert kinds == {("Q5Block",) * 3 + ("Q4KBlock",), ("Q5Block",) * 3 + ("Q6KBlock",)}, kinds
 before = signatures()
 cache = m.new_cache(32)
 m.prefill([1, 72, 101, 108], cache)
@@ -262,7 +256,7 @@ assert not new, new
 
 @pytest.mark.slow
 def test_a_file_mixing_formats_in_a_layer_compiles_nothing_mid_request(tmp_path):
-    """Q4_K_M's layers: Q5_0 matrices (kept as int8 blocks) beside a Q4_K or Q6_K ffn_down. Warm-up compiles the
+    """Q4_K_M's layers: Q5_0 matrices (kept as they are) beside a Q4_K or Q6_K ffn_down. Warm-up compiles the
     fused block of each kind of layer the model has, so a first decode compiles nothing. In a fresh process:
     signatures compiled by earlier tests would hide a gap."""
     import subprocess

@@ -83,7 +83,7 @@ if INT_DOTS:       # the vector version, in the instructions of intdot.py's dots
     from numba import types
     from numba.extending import intrinsic
 
-    from .intdot import _FAST, _V16f32, _f32, _halves, _i8, _i32, _joined, _load, _quad_sums, _row_sum, _structs
+    from .intdot import FAST, V16f32, f32, halves, i8, i32, joined, load, quad_sums, row_sum, structs
     from .llvm_ir import call
 
     def _q6k_dot_codegen(isa):
@@ -91,7 +91,7 @@ if INT_DOTS:       # the vector version, in the instructions of intdot.py's dots
         each lane scaled by its block's input scale times its half block's weight scale. (A Q6_K row is whole
         super-blocks of 8 blocks: no odd last block.)"""
         def codegen(context, builder, signature, args):
-            a = _structs(context, builder, signature, args, "q o scale xq xstart xs")
+            a = structs(context, builder, signature, args, "q o scale xq xstart xs")
             row = builder.gep(a["q"].data, [builder.mul(a["o"], builder.extract_value(a["q"].shape, 1))])
             n_blocks = builder.extract_value(a["scale"].shape, 1)
             two = ir.Constant(n_blocks.type, 2)
@@ -99,29 +99,29 @@ if INT_DOTS:       # the vector version, in the instructions of intdot.py's dots
 
             def blocks(first, size):                # blocks first .. first+size-1 -> <8*size x float> of terms
                 nbytes, lanes = BLOCK * size, 8 * size
-                bytes_type = ir.VectorType(_i8, nbytes)
+                bytes_type = ir.VectorType(i8, nbytes)
                 x_off = builder.mul(first, ir.Constant(first.type, BLOCK))
-                w, x = _load(builder, row, x_off, bytes_type), _load(builder, a["xq"].data, x_off, bytes_type)
+                w, x = load(builder, row, x_off, bytes_type), load(builder, a["xq"].data, x_off, bytes_type)
                 if isa == "vnni":                   # w + 128 against x, from -128 times x's sums (intdot.py)
-                    start = _load(builder, a["xstart"].data, builder.mul(first, ir.Constant(first.type, 8)),
-                                  ir.VectorType(_i32, lanes))
-                    isum = _quad_sums(builder, start, builder.xor(w, ir.Constant(bytes_type, [-128] * nbytes)), x,
+                    start = load(builder, a["xstart"].data, builder.mul(first, ir.Constant(first.type, 8)),
+                                  ir.VectorType(i32, lanes))
+                    isum = quad_sums(builder, start, builder.xor(w, ir.Constant(bytes_type, [-128] * nbytes)), x,
                                       isa)
                 else:                               # |w| against sign(w) * x
-                    sign = lambda v: _joined(builder, [call(builder, "llvm.x86.avx2.psign.b", p.type, p, wp)  # noqa
-                                                       for p, wp in zip(_halves(builder, v), _halves(builder, w))])
-                    isum = _quad_sums(builder, ir.Constant(ir.VectorType(_i32, lanes), [0] * lanes), sign(w),
+                    sign = lambda v: joined(builder, [call(builder, "llvm.x86.avx2.psign.b", p.type, p, wp)  # noqa
+                                                       for p, wp in zip(halves(builder, v), halves(builder, w))])
+                    isum = quad_sums(builder, ir.Constant(ir.VectorType(i32, lanes), [0] * lanes), sign(w),
                                       sign(x), isa)
 
                 def spread(v, each):                # <n x float> -> each lane repeated `each` times
-                    order = ir.Constant(ir.VectorType(_i32, lanes), [j // each for j in range(lanes)])
+                    order = ir.Constant(ir.VectorType(i32, lanes), [j // each for j in range(lanes)])
                     return builder.shuffle_vector(v, ir.Constant(v.type, ir.Undefined), order)
-                xs = _load(builder, a["xs"].data, first, ir.VectorType(_f32, size))
-                ws = _load(builder, scale_row, builder.mul(first, two), ir.VectorType(_f32, 2 * size))
-                scale = builder.fmul(spread(xs, 8), spread(ws, 4), flags=_FAST)
-                return builder.fmul(builder.sitofp(isum, ir.VectorType(_f32, lanes)), scale, flags=_FAST)
-            return _row_sum(builder, builder.udiv(n_blocks, two), lambda i: blocks(builder.mul(i, two), 2), row,
-                            2 * BLOCK, _V16f32)
+                xs = load(builder, a["xs"].data, first, ir.VectorType(f32, size))
+                ws = load(builder, scale_row, builder.mul(first, two), ir.VectorType(f32, 2 * size))
+                scale = builder.fmul(spread(xs, 8), spread(ws, 4), flags=FAST)
+                return builder.fmul(builder.sitofp(isum, ir.VectorType(f32, lanes)), scale, flags=FAST)
+            return row_sum(builder, builder.udiv(n_blocks, two), lambda i: blocks(builder.mul(i, two), 2), row,
+                            2 * BLOCK, V16f32)
         return codegen
 
     def _dot_in(isa):
