@@ -222,6 +222,42 @@ def test_native_q4_k_kernel_matches_its_numpy_twin():
         np.testing.assert_allclose(out, bridge, rtol=1e-6, atol=1e-6 * np.abs(bridge).max())
 
 
+@pytest.mark.parametrize("isa", ["vnni", "avx2"])
+def test_fused_q4_k_dot_matches_the_q4_1_reference_bodies(isa):
+    """dot_q4k (each block's scale and minimum made in registers from the 6-bit integers) in each instruction set
+    the host has, against intdot's 4-bit reference body on the Q4_1 arrays the weight equals (and, VNNI, against
+    its own plain body); rows of 576 (a last super-block of 2 blocks), every value 15 in one row."""
+    from numba import njit
+    from tinyllm.kernels import intdot, kquant_kernels
+    from tinyllm.kernels.linear_kernels import quantize_rows
+    from tinyllm.kernels.q4_kernels import _group_layout
+    if isa not in getattr(kquant_kernels, "Q4K_DOTS", {}):
+        pytest.skip(f"no {isa} on this CPU")
+    rng = np.random.default_rng(14)
+    w = quant.quantize_q4_k(rng.normal(0, 0.05, (6, 576)).astype(np.float32))
+    w.packed[0] = 0xFF
+    x = rng.normal(0, 1, (1, 576)).astype(np.float32)
+    x[0, ::2] = 100.0                                                               # rounded to +-127
+    xq, _, xs = quantize_rows(x)
+    xg, scales, sums = _group_layout(xq, xs, isa == "vnni")
+
+    def rows(dot, arrays):
+        @njit
+        def each(arrays, xg, scales, sums):
+            out = np.empty(arrays[0].shape[0], np.float32)
+            for o in range(out.shape[0]):
+                out[o] = dot(arrays[0], o, *arrays[1:], xg, scales, sums)
+            return out
+        return each(arrays, xg[0], scales[0], sums[0])
+    got = rows(kquant_kernels.Q4K_DOTS[isa], w.arrays)
+    plain = intdot.dot_q4_reference if isa == "vnni" else intdot.dot_q4_blocks_reference
+    want = rows(plain, w.as_q4_1.arrays)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    if isa == "vnni":
+        np.testing.assert_allclose(rows(kquant_kernels.dot_q4k_reference, w.arrays), want, rtol=1e-5,
+                                   atol=1e-5 * np.abs(want).max())
+
+
 # --- a Q4_K_M-like file: its layers mix formats --------------------------------------------------------------------
 MIXED_CHECK = """
 import numpy as np

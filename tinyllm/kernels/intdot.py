@@ -314,23 +314,22 @@ if INT_DOTS:
     def _group_operands(builder, row, xg, first, size, high_row=None):
         """A group of `size` 4-bit blocks from `first` on (16 bytes each) -> (their values 0-15, their values 16-31,
         the input values those meet, and the ones these meet), each <16*size x i8>. With high_row (Q5_0's fifth
-        bits, a uint32 per block) the values are 5-bit: bits 0-15 of each block's word, read as a mask of i1, put
-        16 into its values 0-15, bits 16-31 into its values 16-31."""
+        bits, a uint32 per block) the values are 5-bit: bit k of a block's word adds 16 to its value k."""
         nbytes = 16 * size
         bytes_type = ir.VectorType(i8, nbytes)
         packed = load(builder, row, builder.mul(first, ir.Constant(first.type, 16)), bytes_type)
         x_off = builder.mul(first, ir.Constant(first.type, BLOCK))
         low = builder.and_(packed, ir.Constant(bytes_type, [15] * nbytes))                 # low nibbles
         high = builder.lshr(packed, ir.Constant(bytes_type, [4] * nbytes))                 # high nibbles
-        if high_row is not None:
+        if high_row is not None:            # ggml's bytes_from_bits: each byte gets the word's byte holding its bit
             words = builder.bitcast(load(builder, high_row, first, ir.VectorType(i32, size)),
-                                    ir.VectorType(_i16, 2 * size))                         # [b0 lo, b0 hi, b1 lo, ..]
+                                    ir.VectorType(i8, 4 * size))                           # the words' bytes
+            bit = ir.Constant(bytes_type, [1 << (k % 8) for k in range(nbytes)])
             sixteen, zero = ir.Constant(bytes_type, [16] * nbytes), ir.Constant(bytes_type, [0] * nbytes)
 
-            def fifth(half):                        # the 16-bit halves `half` of each word -> <nbytes x i8> of 0/16
-                mask = builder.bitcast(_lanes(builder, words, words, range(half, 2 * size, 2)),
-                                       ir.VectorType(ir.IntType(1), nbytes))
-                return builder.select(mask, sixteen, zero)
+            def fifth(half):                        # values 0-15 (half 0) or 16-31 of each block -> 16 or 0 each
+                spread = _lanes(builder, words, words, [4 * (k // 16) + 2 * half + k % 16 // 8 for k in range(nbytes)])
+                return builder.select(builder.icmp_unsigned("!=", builder.and_(spread, bit), zero), sixteen, zero)
             low, high = builder.or_(low, fifth(0)), builder.or_(high, fifth(1))
         return (low, high, load(builder, xg, x_off, bytes_type),
                 load(builder, xg, builder.add(x_off, ir.Constant(first.type, nbytes)), bytes_type))
@@ -345,12 +344,6 @@ if INT_DOTS:
         return (row, n_blocks, builder.gep(a["d"].data, [builder.mul(o, n_blocks)]),
                 builder.gep(per_block.data, [builder.mul(o, n_blocks)]))
 
-    def _minimums(builder, d, mins, fifth):
-        """A group's minimums as loaded by load(ptr): mins' (4-bit), or -16 d (Q5_0: W = d q - 16 d)."""
-        if not fifth:
-            return mins
-        return builder.fmul(d, ir.Constant(d.type, [-16.0] * d.type.count), flags=FAST)
-
     def _fours_then_pair(builder, group, n_blocks, row, vector_type):
         """A 4-bit row's total: group(first, 4) (a vector_type of terms) over its fours of blocks, then group(first,
         2) over a last pair if two blocks remain (an odd last block is the caller's)."""
@@ -364,37 +357,33 @@ if INT_DOTS:
             builder.store(builder.fadd(builder.load(result), pair, flags=FAST), result)
         return builder.load(result)
 
-    def _q4_dot_codegen(isa, fifth=False):
-        """dot_q4: one 64-byte load is a group of four blocks' packed bytes; its low nibbles meet the group's first
-        64 input values and its high nibbles the next 64, so four blocks cost one load, two masks and two steps of
+    def four_bit_dot(builder, a, isa, row, n_blocks, block_terms, high_row=None):
+        """A 4-bit (or with high_row, 5-bit) row's dot in isa's contract (vnni: dot_q4's, avx2: dot_q4_blocks')."""
+        # a: the intrinsic's arguments by name (xg, xs, xsum: q4_kernels.q4_inputs' layout for isa); block_terms(
+        # first, size) -> (the blocks' scales, their minimums), each <size x float>: each format makes its own
+        group = _lanes_group if isa == "vnni" else _blocks_group
+        return _fours_then_pair(builder, lambda first, size: group(builder, a, isa, row, first, size, block_terms,
+                                                                   high_row),
+                                n_blocks, row, V16f32 if isa == "vnni" else ir.VectorType(f32, 4))
+
+    def _lanes_group(builder, a, isa, row, first, size, block_terms, high_row):
+        """dot_q4's group: one 64-byte load is four blocks' packed bytes; its low nibbles meet the group's first 64
+        input values and its high nibbles the next 64, so four blocks cost one load, two masks and two steps of
         integer sums (quad_sums' 512-bit vpdpbusd), whose lanes 4j..4j+3 then hold block j's share; one shuffle
-        spreads each block's d and min over its four lanes. A last pair of blocks is the same in 256 bits."""
-        return lambda context, builder, signature, args: _q4_dot(context, builder, signature, args, isa, fifth)
-
-    def _q4_dot(context, builder, signature, args, isa, fifth):
-        names = "w o d high xg xs4 xsum4" if fifth else "w o d mins xg xs4 xsum4"
-        a = structs(context, builder, signature, args, names)
-        row, n_blocks, d_row, mins_row = _q4_rows(builder, a)
-
-        def group(first, size):                     # blocks first .. first+size-1 -> <4*size x float> of terms
-            c = lambda n: ir.Constant(first.type, n)                                   # noqa: E731
-            low, high, x_low, x_high = _group_operands(builder, row, a["xg"].data, first, size,
-                                                       mins_row if fifth else None)
-            lanes_type = ir.VectorType(f32, 4 * size)
-            isum = quad_sums(builder, ir.Constant(ir.VectorType(i32, 4 * size), [0] * 4 * size), low, x_low, isa)
-            isum = quad_sums(builder, isum, high, x_high, isa)
-            four_each = ir.Constant(ir.VectorType(i32, 4 * size), [j // 4 for j in range(4 * size)])
-            both = lambda ptr: builder.shuffle_vector(                                  # noqa: E731
-                load(builder, ptr, first, ir.VectorType(f32, size)), ir.Constant(ir.VectorType(f32, size),
-                                                                                   ir.Undefined), four_each)
-            at = builder.mul(first, c(4))
-            d = both(d_row)
-            scale = builder.fmul(d, load(builder, a["xs4"].data, at, lanes_type), flags=FAST)
-            term = builder.fmul(builder.sitofp(isum, lanes_type), scale, flags=FAST)
-            minimums = _minimums(builder, d, None if fifth else both(mins_row), fifth)
-            return builder.fadd(term, builder.fmul(minimums, load(builder, a["xsum4"].data, at, lanes_type),
-                                                   flags=FAST), flags=FAST)
-        return _fours_then_pair(builder, group, n_blocks, row, V16f32)
+        spreads each block's d and min over its four lanes. A last pair of blocks is the same in 256 bits.
+        -> <4*size x float> of terms"""
+        low, high, x_low, x_high = _group_operands(builder, row, a["xg"].data, first, size, high_row)
+        lanes_type = ir.VectorType(f32, 4 * size)
+        isum = quad_sums(builder, ir.Constant(ir.VectorType(i32, 4 * size), [0] * 4 * size), low, x_low, isa)
+        isum = quad_sums(builder, isum, high, x_high, isa)
+        four_each = ir.Constant(ir.VectorType(i32, 4 * size), [j // 4 for j in range(4 * size)])
+        d, mins = (builder.shuffle_vector(v, ir.Constant(v.type, ir.Undefined), four_each)
+                   for v in block_terms(first, size))
+        at = builder.mul(first, ir.Constant(first.type, 4))
+        scale = builder.fmul(d, load(builder, a["xs"].data, at, lanes_type), flags=FAST)
+        term = builder.fmul(builder.sitofp(isum, lanes_type), scale, flags=FAST)
+        return builder.fadd(term, builder.fmul(mins, load(builder, a["xsum"].data, at, lanes_type), flags=FAST),
+                            flags=FAST)
 
     def _lanes(builder, a, b, indices):
         """The lanes of a then b at `indices` (one shuffle)."""
@@ -405,44 +394,49 @@ if INT_DOTS:
         n = 2 * a.type.count
         return builder.add(_lanes(builder, a, b, range(0, n, 2)), _lanes(builder, a, b, range(1, n, 2)))
 
-    def _q4_blocks_dot_codegen(fifth):
-        """dot_q4_blocks (or with fifth, dot_q5_blocks)."""
-        return lambda context, builder, signature, args: _q4_blocks_dot(context, builder, signature, args, fifth)
-
-    def _q4_blocks_dot(context, builder, signature, args, fifth):
-        """dot_q4_blocks in AVX2: per group of four blocks (64 packed bytes), the two nibbles' products meet in
-        16-bit sums (vpmaddubsw twice, one add), widen to 4 int32 lanes per block (vpmaddwd), and two rounds of
-        pair sums leave one integer per block in block order; then one multiply-add per block for d * xs and one
-        for min * xsum, in a <4 x float> of the four blocks. A last pair of blocks is the same in 2 lanes."""
-        a = structs(context, builder, signature, args, "w o d high xg xs xsum" if fifth else "w o d mins xg xs xsum")
-        row, n_blocks, d_row, mins_row = _q4_rows(builder, a)
+    def _blocks_group(builder, a, isa, row, first, size, block_terms, high_row):
+        """dot_q4_blocks' group in AVX2: per four blocks (64 packed bytes), the two nibbles' products meet in 16-bit
+        sums (vpmaddubsw twice, one add), widen to 4 int32 lanes per block (vpmaddwd), and two rounds of pair sums
+        leave one integer per block in block order; then one multiply-add per block for d * xs and one for
+        min * xsum, in a <4 x float> of the four blocks. A last pair of blocks is the same in 2 lanes.
+        -> <size x float> of terms"""
         ones = ir.Constant(ir.VectorType(_i16, 16), [1] * 16)
+        quads = []                                  # per 32 bytes: <8 x i32>, 4 lanes for each of 2 blocks
+        for low, high, x_low, x_high in zip(*(halves(builder, v) for v in _group_operands(
+                builder, row, a["xg"].data, first, size, high_row))):
+            pairs = builder.add(call(builder, "llvm.x86.avx2.pmadd.ub.sw", ir.VectorType(_i16, 16), low, x_low),
+                                call(builder, "llvm.x86.avx2.pmadd.ub.sw", ir.VectorType(_i16, 16), high, x_high))
+            quads.append(call(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(i32, 8), pairs, ones))
+        if size == 4:                               # [b0 b0 b1 b1 b2 b2 b3 b3] -> [b0 b1 b2 b3]
+            block_halves = _pair_sums(builder, *quads)
+            isum = _pair_sums(builder, _lanes(builder, block_halves, block_halves, range(4)),
+                              _lanes(builder, block_halves, block_halves, range(4, 8)))
+        else:                                       # [b0 b0 b1 b1] -> [b0 b1]
+            block_halves = _pair_sums(builder, _lanes(builder, *quads, *quads, range(4)),
+                                      _lanes(builder, *quads, *quads, range(4, 8)))
+            isum = _pair_sums(builder, _lanes(builder, block_halves, block_halves, range(2)),
+                              _lanes(builder, block_halves, block_halves, range(2, 4)))
+        per_block = ir.VectorType(f32, size)
+        d, mins = block_terms(first, size)
+        scale = builder.fmul(d, load(builder, a["xs"].data, first, per_block), flags=FAST)
+        term = builder.fmul(builder.sitofp(isum, per_block), scale, flags=FAST)
+        return builder.fadd(term, builder.fmul(mins, load(builder, a["xsum"].data, first, per_block), flags=FAST),
+                            flags=FAST)
 
-        def group(first, size):                     # blocks first .. first+size-1 -> <size x float> of terms
-            quads = []                              # per 32 bytes: <8 x i32>, 4 lanes for each of 2 blocks
-            operands = _group_operands(builder, row, a["xg"].data, first, size, mins_row if fifth else None)
-            for pieces in zip(*(halves(builder, v) for v in operands)):
-                low, high, x_low, x_high = pieces
-                pairs = builder.add(call(builder, "llvm.x86.avx2.pmadd.ub.sw", ir.VectorType(_i16, 16), low, x_low),
-                                    call(builder, "llvm.x86.avx2.pmadd.ub.sw", ir.VectorType(_i16, 16), high, x_high))
-                quads.append(call(builder, "llvm.x86.avx2.pmadd.wd", ir.VectorType(i32, 8), pairs, ones))
-            if size == 4:                           # [b0 b0 b1 b1 b2 b2 b3 b3] -> [b0 b1 b2 b3]
-                block_halves = _pair_sums(builder, *quads)
-                isum = _pair_sums(builder, _lanes(builder, block_halves, block_halves, range(4)),
-                                  _lanes(builder, block_halves, block_halves, range(4, 8)))
-            else:                                   # [b0 b0 b1 b1] -> [b0 b1]
-                block_halves = _pair_sums(builder, _lanes(builder, *quads, *quads, range(4)),
-                                          _lanes(builder, *quads, *quads, range(4, 8)))
-                isum = _pair_sums(builder, _lanes(builder, block_halves, block_halves, range(2)),
-                                  _lanes(builder, block_halves, block_halves, range(2, 4)))
-            per_block = ir.VectorType(f32, size)
-            block = lambda ptr: load(builder, ptr, first, per_block)                  # noqa: E731
-            d = block(d_row)
-            scale = builder.fmul(d, block(a["xs"].data), flags=FAST)
-            term = builder.fmul(builder.sitofp(isum, per_block), scale, flags=FAST)
-            minimums = _minimums(builder, d, None if fifth else block(mins_row), fifth)
-            return builder.fadd(term, builder.fmul(minimums, block(a["xsum"].data), flags=FAST), flags=FAST)
-        return _fours_then_pair(builder, group, n_blocks, row, ir.VectorType(f32, 4))
+    def _q4_dot_codegen(isa, fifth):
+        """dot_q4 (vnni) or dot_q4_blocks (avx2); with fifth, dot_q5 or dot_q5_blocks: d and mins read from their
+        rows, or d and -16 d (Q5_0: W = d q - 16 d)."""
+        def codegen(context, builder, signature, args):
+            a = structs(context, builder, signature, args, f"w o d {'high' if fifth else 'mins'} xg xs xsum")
+            row, n_blocks, d_row, per_block_row = _q4_rows(builder, a)
+
+            def block_terms(first, size):
+                d = load(builder, d_row, first, ir.VectorType(f32, size))
+                if fifth:
+                    return d, builder.fmul(d, ir.Constant(d.type, [-16.0] * size), flags=FAST)
+                return d, load(builder, per_block_row, first, ir.VectorType(f32, size))
+            return four_bit_dot(builder, a, isa, row, n_blocks, block_terms, per_block_row if fifth else None)
+        return codegen
 
     def _dots_in(isa):
         """(dot_int8, dot_int8_block, dot_q4) written in isa's instructions ("vnni" or "avx2")."""
@@ -455,28 +449,24 @@ if INT_DOTS:
             return types.float32(w, o, ws, xq, xstart, xs), _int8_dot_codegen("int8-block", isa)
 
         @intrinsic
-        def dot_q4(typingctx, w, o, d, mins, xg, xs4, xsum4):
-            return types.float32(w, o, d, mins, xg, xs4, xsum4), _q4_dot_codegen(isa)
+        def dot_q4(typingctx, w, o, d, mins, xg, xs, xsum):         # (dot_q4_blocks in AVX2)
+            return types.float32(w, o, d, mins, xg, xs, xsum), _q4_dot_codegen(isa, False)
 
+        return dot_int8, dot_int8_block, dot_q4
+
+    def _q5_dot_in(isa):
+        """dot_q5 (vnni) or dot_q5_blocks (avx2)."""
         @intrinsic
-        def dot_q4_blocks(typingctx, w, o, d, mins, xg, xs, xsum):
-            return types.float32(w, o, d, mins, xg, xs, xsum), _q4_blocks_dot_codegen(False)
+        def dot_q5(typingctx, w, o, d, high, xg, xs, xsum):
+            return types.float32(w, o, d, high, xg, xs, xsum), _q4_dot_codegen(isa, True)
+        return dot_q5
 
-        @intrinsic
-        def dot_q5(typingctx, w, o, d, high, xg, xs4, xsum4):
-            return types.float32(w, o, d, high, xg, xs4, xsum4), _q4_dot_codegen(isa, True)
-
-        @intrinsic
-        def dot_q5_blocks(typingctx, w, o, d, high, xg, xs, xsum):
-            return types.float32(w, o, d, high, xg, xs, xsum), _q4_blocks_dot_codegen(True)
-        if isa == "vnni":
-            return dot_int8, dot_int8_block, dot_q4, dot_q5
-        return dot_int8, dot_int8_block, dot_q4_blocks, dot_q5_blocks
-
-    # each instruction set the host has, by name: (dot_int8, dot_int8_block, its 4-bit dot, its 5-bit dot); the
+    # each instruction set the host has, by name: (dot_int8, dot_int8_block, its 4-bit dot), and its 5-bit dot; the
     # tests hold both to the reference bodies on a VNNI host
-    DOTS = {isa: _dots_in(isa) for isa, have in (("vnni", HAVE_VNNI), ("avx2", HAVE_AVX2)) if have}
-    dot_int8, dot_int8_block, _four_bit, _five_bit = DOTS[INT_DOTS]
+    _SETS = [isa for isa, have in (("vnni", HAVE_VNNI), ("avx2", HAVE_AVX2)) if have]
+    DOTS, Q5_DOTS = {isa: _dots_in(isa) for isa in _SETS}, {isa: _q5_dot_in(isa) for isa in _SETS}
+    dot_int8, dot_int8_block, _four_bit = DOTS[INT_DOTS]
+    _five_bit = Q5_DOTS[INT_DOTS]
     if Q4_BY_BLOCKS:
         dot_q4_blocks, dot_q5_blocks = _four_bit, _five_bit
     else:

@@ -27,17 +27,105 @@ import numpy as np
 from numba import njit, prange
 
 from ..quant import BLOCK, SUPER
-from .intdot import HAVE_AVX2, HAVE_VNNI, INT_DOTS
+from .intdot import HAVE_AVX2, HAVE_VNNI, INT_DOTS, q4_group
 from .linear_kernels import OUT_BLOCK, n_tasks, quantize_rows
 from .numerics import PARALLEL, SERIAL
 from .q4_kernels import q4_a8_task, q4_inputs
 
 
 @njit(**SERIAL)
+def dot_q4k_reference(w, o, scales, mins, d, dmin, xg, xs4, xsum4):
+    """Row o of a Q4KBlock's arrays in intdot.dot_q4's contract (its input layout, its even blocks), each block's
+    scale d[b // 8] * scales[b] and minimum -(dmin[b // 8] * mins[b]) made on the way."""
+    acc = np.float32(0.0)
+    for b in range(xs4.shape[0] // 4):
+        first, size = q4_group(b, scales.shape[1])
+        low = BLOCK * first + 16 * (b - first)                     # where block b's values 0-15 sit in xg
+        scale = d[o, b // SUPER] * np.float32(scales[o, b])
+        minimum = dmin[o, b // SUPER] * np.float32(mins[o, b])
+        for lane in range(4):
+            isum = np.int32(0)
+            for k in range(4 * lane, 4 * lane + 4):
+                byte = np.int32(w[o, 16 * b + k])
+                isum += (byte & 15) * np.int32(xg[low + k]) + (byte >> 4) * np.int32(xg[low + 16 * size + k])
+            acc += np.float32(isum) * (scale * xs4[4 * b + lane]) - minimum * xsum4[4 * b + lane]
+    return acc
+
+
+dot_q4k = dot_q4k_reference
+if INT_DOTS:       # the fused dot: intdot's 4-bit row dot, each group's scales and minimums made in registers
+    from llvmlite import ir
+    from numba import types
+    from numba.extending import intrinsic
+
+    from .intdot import f32, four_bit_dot, i8, load, structs
+
+    def _q4k_dot_codegen(isa):
+        """dot_q4k: intdot.four_bit_dot (dot_q4's contract in VNNI, dot_q4_blocks' in AVX2) with each group's
+        scales d[b // 8] * scales[b] and minimums -(dmin[b // 8] * mins[b]) made from the uint8 integers and the
+        super-block's two floats (a group of 4 or 2 blocks never straddles a super-block of 8). The two products
+        are not reassociated (no fast flags): the numbers of Q4KBlock.block_scales, as ggml rounds them."""
+        def codegen(context, builder, signature, args):
+            a = structs(context, builder, signature, args, "w o scales mins d dmin xg xs xsum")
+            o = a["o"]
+            row = builder.gep(a["w"].data, [builder.mul(o, builder.extract_value(a["w"].shape, 1))])
+            n_blocks, n_super = builder.extract_value(a["scales"].shape, 1), builder.extract_value(a["d"].shape, 1)
+            at = lambda name, n: builder.gep(a[name].data, [builder.mul(o, n)])            # noqa: E731
+            scales, mins, d, dmin = at("scales", n_blocks), at("mins", n_blocks), at("d", n_super), at("dmin", n_super)
+
+            def block_terms(first, size):
+                vec = ir.VectorType(f32, size)
+                sup = builder.udiv(first, ir.Constant(first.type, 8))
+
+                def times(super_row, ints, sign=1.0):   # sign * super_row[sup] * each block's integer (float32)
+                    value = builder.load(builder.gep(super_row, [sup]))
+                    if sign < 0:                    # -(dmin m) = (-dmin) m exactly: one scalar negation
+                        value = builder.fmul(value, ir.Constant(f32, sign))
+                    one = builder.insert_element(ir.Constant(vec, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
+                    spread = builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined),
+                                                    ir.Constant(ir.VectorType(ir.IntType(32), size), [0] * size))
+                    return builder.fmul(spread, builder.uitofp(load(builder, ints, first, ir.VectorType(i8, size)),
+                                                               vec))
+                return times(d, scales), times(dmin, mins, -1.0)
+            return four_bit_dot(builder, a, isa, row, n_blocks, block_terms)
+        return codegen
+
+    def _q4k_dot_in(isa):
+        @intrinsic
+        def dot_q4k(typingctx, w, o, scales, mins, d, dmin, xg, xs, xsum):
+            return types.float32(w, o, scales, mins, d, dmin, xg, xs, xsum), _q4k_dot_codegen(isa)
+        return dot_q4k
+
+    # each instruction set the host has (the tests hold both to intdot's 4-bit reference bodies on a VNNI host)
+    Q4K_DOTS = {isa: _q4k_dot_in(isa) for isa, have in (("vnni", HAVE_VNNI), ("avx2", HAVE_AVX2)) if have}
+    dot_q4k = Q4K_DOTS[INT_DOTS]
+
+
+@njit(**SERIAL)
 def q4k_a8_task(w, xq, xs, xg, xscales, sums, out, o0, o1, int_dots):
-    """linear_q4k_a8's rows o0 .. o1-1: their blocks' scales and minimums made from the 6-bit integers into a small
-    scratch (OUT_BLOCK rows: it stays in L1), then q4_kernels.q4_a8_task on those rows, with intdot.py's dots."""
+    """linear_q4k_a8's rows o0 .. o1-1. With int_dots, dot_q4k per row (an odd last block after, as Q4_1's task
+    adds it). Else their blocks' scales and minimums made from the 6-bit integers into a small scratch (OUT_BLOCK
+    rows: it stays in L1), then q4_kernels.q4_a8_task on those rows with intdot's reference bodies."""
     packed, scales, mins, d, dmin = w
+    if int_dots:
+        for m in range(xq.shape[0]):
+            g, s, sm = xg[m], xscales[m], sums[m]
+            for o in range(o0, o1):
+                out[m, o] = dot_q4k(packed, o, scales, mins, d, dmin, g, s, sm)
+        last = xs.shape[1] - 1
+        if last % 2 == 0:                      # an odd block count: the last block, in integers
+            for o in range(o0, o1):
+                scale = d[o, last // SUPER] * np.float32(scales[o, last])
+                minimum = dmin[o, last // SUPER] * np.float32(mins[o, last])
+                for m in range(xq.shape[0]):
+                    isum, xsum = 0, 0
+                    for j in range(16):
+                        byte = np.int32(packed[o, 16 * last + j])
+                        lo, hi = np.int32(xq[m, BLOCK * last + j]), np.int32(xq[m, BLOCK * last + 16 + j])
+                        isum += (byte & 15) * lo + (byte >> 4) * hi
+                        xsum += lo + hi
+                    out[m, o] += xs[m, last] * (scale * np.float32(isum) - minimum * np.float32(xsum))
+        return
     nb = scales.shape[1]
     block_d = np.empty((o1 - o0, nb), np.float32)                   # [rows, I/32] d * scale, as ggml rounds it
     block_m = np.empty((o1 - o0, nb), np.float32)                   # [rows, I/32] -(dmin * min)
