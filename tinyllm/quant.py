@@ -14,7 +14,7 @@ kernels.linear). Norms and the KV cache stay float32; only the big matrices shri
 
 Rounding is to nearest (not truncation); an all-zero row or block gets scale 1 so it still decodes to zeros.
 The default model's file already holds Q4_1 matrices and a Q8_0 embedding: `from_gguf_block` repacks those
-bytes (and a Q4_K_M file's Q4_K ones) without loss, so tinyllm can run on the file's own 4-bit weights.
+bytes (and a Q4_K_M file's Q4_K, Q5_0 and Q6_K ones) without loss, so tinyllm can run on the file's own 4-bit weights.
 
 Optionally the input of a quantized linear is rounded too, as llama.cpp always does: each row of activations to
 int8 with one scale per block of 32 values (Q8_0's scheme, `quantize_activations`; a setting of the model's

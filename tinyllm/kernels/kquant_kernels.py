@@ -11,15 +11,16 @@ the numpy backend's linear with int8 inputs (round x, dequantize the weight, mul
 Per block b of 32 the product is an integer dot product scaled twice, as for Q4_1 (q4_kernels.py), except that the
 block's scale and minimum are made from their 6-bit integers on the way:
     sum_j W[o, j] xq[j] xs[b] = xs[b] (d[b // 8] scales[b] sum_j q[j] xq[j] - dmin[b // 8] mins[b] sum_j xq[j])
-so each task expands its rows' scales into a scratch of Q4_1's form and runs Q4_1's task on them: the same numbers
-as the Q4_1 arrays a Q4KBlock equals (to the last bit or so: fastmath may order a sum differently in each compile),
-from 0.6 bytes a weight instead of 0.75.
-Not wired into dispatch.py or the fused block yet: a model still runs a Q4KBlock as those Q4_1 arrays
-(weight_formats.kernel_weight), which is faster today: expanding the scales costs about as much per block as the
-vector dot itself (4096 x 4096, one row, one thread: 0.71 ms here, 0.46 ms on the Q4_1 arrays). The fast design is
-ggml's: round the activations with one scale per 256 (Q8_K), so that a super-block's 8 blocks add up in integers,
-sum_b scales[b] * isum[b], and take two float multiplies per 256 values. Left out: float inputs, tiles for many
-input rows.
+With the vector dots, `dot_q4k` is intdot.four_bit_dot with those scales and minimums made in registers per group
+of blocks; the reference path expands a task's scales into a scratch of Q4_1's form and runs Q4_1's task on them.
+Both give the numbers of the Q4_1 arrays a Q4KBlock equals (to the last bit or so: fastmath may order a sum
+differently in each compile), from 0.6 bytes a weight instead of 0.75.
+Not wired into dispatch.py or the fused block: a model still runs a Q4KBlock as those Q4_1 arrays
+(weight_formats.kernel_weight). One row, one thread, fused against the Q4_1 arrays (ms, VNNI): 4096 x 4096 0.37 /
+0.45 (fewer bytes from memory), but 576 x 1536 0.0227 / 0.0212 and 1536 x 576 0.0273 / 0.0228 (in cache, the
+conversions cost what the vector dot does); AVX2 alike. The faster design is ggml's: round the activations with
+one scale per 256 (Q8_K), so that a super-block's 8 blocks add up in integers, sum_b scales[b] * isum[b], and take
+two float multiplies per 256 values. Left out: float inputs, tiles for many input rows.
 """
 from __future__ import annotations
 
