@@ -201,18 +201,19 @@ def test_q4_k_on_the_numba_backend_matches_numpy(kquant_file):
     np.testing.assert_allclose(fast.logits(ids), plain.logits(ids), atol=2e-4)
 
 
-def test_native_q4_k_kernel_matches_its_numpy_twin():
+@pytest.mark.parametrize("cols", [576, 608])
+def test_native_q4_k_kernel_matches_its_numpy_twin(cols):
     """The kernel reading Q4_K's super-blocks (int8 activations) against the numpy backend's rounded-input linear;
-    rows of 576: a last super-block of 2 blocks."""
+    rows of 576: a last super-block of 2 blocks; of 608: an odd last block, added after the fused dot."""
     from tinyllm.backend import NumpyOps
     from tinyllm.kernels import intdot
     from tinyllm.kernels.kquant_kernels import linear_q4k_a8
     from tinyllm.kernels.q4_kernels import linear_q4_a8
     from tinyllm.kernels.weight_formats import kernel_weight
     rng = np.random.default_rng(5)
-    w = quant.quantize_q4_k(rng.normal(0, 0.05, (40, 576)).astype(np.float32))
+    w = quant.quantize_q4_k(rng.normal(0, 0.05, (40, cols)).astype(np.float32))
     for rows in (1, 3):
-        x = rng.normal(0, 1, (rows, 576)).astype(np.float32)
+        x = rng.normal(0, 1, (rows, cols)).astype(np.float32)
         out, bridge = np.empty((rows, 40), np.float32), np.empty((rows, 40), np.float32)
         linear_q4k_a8(w.arrays, x, out, intdot.USE_INT_DOTS)
         expected = NumpyOps.linear(x, w, int8_inputs=True)                        # [rows, 40]

@@ -31,7 +31,7 @@ from ..quant import BLOCK, SUPER
 from .intdot import HAVE_AVX2, HAVE_VNNI, INT_DOTS, q4_group
 from .linear_kernels import OUT_BLOCK, n_tasks, quantize_rows
 from .numerics import PARALLEL, SERIAL
-from .q4_kernels import q4_a8_task, q4_inputs
+from .q4_kernels import last_block_sums, q4_a8_task, q4_inputs
 
 
 @njit(**SERIAL)
@@ -119,12 +119,7 @@ def q4k_a8_task(w, xq, xs, xg, xscales, sums, out, o0, o1, int_dots):
                 scale = d[o, last // SUPER] * np.float32(scales[o, last])
                 minimum = dmin[o, last // SUPER] * np.float32(mins[o, last])
                 for m in range(xq.shape[0]):
-                    isum, xsum = 0, 0
-                    for j in range(16):
-                        byte = np.int32(packed[o, 16 * last + j])
-                        lo, hi = np.int32(xq[m, BLOCK * last + j]), np.int32(xq[m, BLOCK * last + 16 + j])
-                        isum += (byte & 15) * lo + (byte >> 4) * hi
-                        xsum += lo + hi
+                    isum, xsum = last_block_sums(packed, o, xq, m, last)
                     out[m, o] += xs[m, last] * (scale * np.float32(isum) - minimum * np.float32(xsum))
         return
     nb = scales.shape[1]

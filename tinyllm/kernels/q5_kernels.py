@@ -26,7 +26,7 @@ from .intdot import Q4_BY_BLOCKS, dot_q5, dot_q5_blocks, dot_q5_reference, fifth
 from .linear_kernels import OUT_BLOCK, n_tasks, quantize_rows
 from .numerics import PARALLEL, SERIAL
 from .panel_kernels import _tiles_of_panel, tile_inputs
-from .q4_kernels import q4_inputs
+from .q4_kernels import last_block_sums, q4_inputs
 
 
 @njit(**SERIAL)
@@ -46,16 +46,12 @@ def q5_a8_task(w, xq, xs, xg, scales, sums, out, o0, o1, int_dots):
             for o in range(o0, o1):
                 out[m, o] = dot_q5_reference(packed, o, d, high, g, s, sm)
     last = xs.shape[1] - 1
-    if last % 2 == 0:                          # an odd block count: the last block
+    if last % 2 == 0:                          # an odd block count: the last block, in integers
         for o in range(o0, o1):
             for m in range(xq.shape[0]):
-                isum, xsum = 0, 0
-                for j in range(16):
-                    byte = np.int32(packed[o, 16 * last + j])
-                    lo, hi = np.int32(xq[m, BLOCK * last + j]), np.int32(xq[m, BLOCK * last + 16 + j])
-                    isum += ((byte & 15) + fifth_bits(high, o, last, j)) * lo
-                    isum += ((byte >> 4) + fifth_bits(high, o, last, j + 16)) * hi
-                    xsum += lo + hi
+                isum, xsum = last_block_sums(packed, o, xq, m, last)
+                for j in range(BLOCK):         # the fifth bits' share
+                    isum += fifth_bits(high, o, last, j) * np.int32(xq[m, BLOCK * last + j])
                 out[m, o] += xs[m, last] * d[o, last] * np.float32(isum - 16 * xsum)
 
 
