@@ -54,14 +54,6 @@ def test_q4_k_file_blocks_repack_exactly():
     np.testing.assert_array_equal(q4_k_bytes(qw), raw)                               # and back to the same bytes
 
 
-def test_q5_0_file_blocks_repack_exactly_as_int8_blocks():
-    """A file's Q5_0 blocks kept natively: whole numbers in [-16, 15] and the block's scale, ggml's values."""
-    raw = random_blocks("Q5_0", 3 * 18, np.random.default_rng(6)).reshape(3, -1)     # 3 rows of 576
-    qw = quant.from_gguf_block(raw.ravel(), "Q5_0", (3, 576))
-    assert isinstance(qw, quant.Int8Block) and qw.q.min() >= -16 and qw.q.max() <= 15
-    assert_bits_equal(qw.dequantize(), reference(raw, "Q5_0"))
-
-
 def test_q6_k_file_blocks_repack_exactly():
     """A file's Q6_K blocks kept natively (int8 values, a float32 scale per 16): ggml's values, bit for bit."""
     raw = random_blocks("Q6_K", 3 * 3, np.random.default_rng(7)).reshape(3, -1)     # 3 rows of 768
@@ -209,18 +201,19 @@ def test_q4_k_on_the_numba_backend_matches_numpy(kquant_file):
     np.testing.assert_allclose(fast.logits(ids), plain.logits(ids), atol=2e-4)
 
 
-def test_native_q4_k_kernel_matches_its_numpy_twin():
+@pytest.mark.parametrize("cols", [576, 608])
+def test_native_q4_k_kernel_matches_its_numpy_twin(cols):
     """The kernel reading Q4_K's super-blocks (int8 activations) against the numpy backend's rounded-input linear;
-    rows of 576: a last super-block of 2 blocks."""
+    rows of 576: a last super-block of 2 blocks; of 608: an odd last block, added after the fused dot."""
     from tinyllm.backend import NumpyOps
     from tinyllm.kernels import intdot
     from tinyllm.kernels.kquant_kernels import linear_q4k_a8
     from tinyllm.kernels.q4_kernels import linear_q4_a8
     from tinyllm.kernels.weight_formats import kernel_weight
     rng = np.random.default_rng(5)
-    w = quant.quantize_q4_k(rng.normal(0, 0.05, (40, 576)).astype(np.float32))
+    w = quant.quantize_q4_k(rng.normal(0, 0.05, (40, cols)).astype(np.float32))
     for rows in (1, 3):
-        x = rng.normal(0, 1, (rows, 576)).astype(np.float32)
+        x = rng.normal(0, 1, (rows, cols)).astype(np.float32)
         out, bridge = np.empty((rows, 40), np.float32), np.empty((rows, 40), np.float32)
         linear_q4k_a8(w.arrays, x, out, intdot.USE_INT_DOTS)
         expected = NumpyOps.linear(x, w, int8_inputs=True)                        # [rows, 40]
@@ -230,16 +223,54 @@ def test_native_q4_k_kernel_matches_its_numpy_twin():
         np.testing.assert_allclose(out, bridge, rtol=1e-6, atol=1e-6 * np.abs(bridge).max())
 
 
+@pytest.mark.parametrize("isa", ["vnni", "avx2"])
+def test_fused_q4_k_dot_matches_the_q4_1_reference_bodies(isa):
+    """dot_q4k (each block's scale and minimum made in registers from the 6-bit integers) in each instruction set
+    the host has, against intdot's 4-bit reference body on the Q4_1 arrays the weight equals (and, VNNI, against
+    its own plain body); rows of 576 (a last super-block of 2 blocks), every value 15 in one row."""
+    from numba import njit
+    from tinyllm.kernels import intdot, kquant_kernels
+    from tinyllm.kernels.linear_kernels import quantize_rows
+    from tinyllm.kernels.q4_kernels import _group_layout
+    if isa not in getattr(kquant_kernels, "Q4K_DOTS", {}):
+        pytest.skip(f"no {isa} on this CPU")
+    rng = np.random.default_rng(14)
+    w = quant.quantize_q4_k(rng.normal(0, 0.05, (6, 576)).astype(np.float32))
+    w.packed[0] = 0xFF
+    x = rng.normal(0, 1, (1, 576)).astype(np.float32)
+    x[0, ::2] = 100.0                                                               # rounded to +-127
+    xq, _, xs = quantize_rows(x)
+    xg, scales, sums = _group_layout(xq, xs, isa == "vnni")
+
+    def rows(dot, arrays):
+        @njit
+        def each(arrays, xg, scales, sums):
+            out = np.empty(arrays[0].shape[0], np.float32)
+            for o in range(out.shape[0]):
+                out[o] = dot(arrays[0], o, *arrays[1:], xg, scales, sums)
+            return out
+        return each(arrays, xg[0], scales[0], sums[0])
+    got = rows(kquant_kernels.Q4K_DOTS[isa], w.arrays)
+    plain = intdot.dot_q4_reference if isa == "vnni" else intdot.dot_q4_blocks_reference
+    want = rows(plain, w.as_q4_1.arrays)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    if isa == "vnni":
+        np.testing.assert_allclose(rows(kquant_kernels.dot_q4k_reference, w.arrays), want, rtol=1e-5,
+                                   atol=1e-5 * np.abs(want).max())
+
+
 # --- a Q4_K_M-like file: its layers mix formats --------------------------------------------------------------------
 MIXED_CHECK = """
 import numpy as np
 from numba.core.registry import CPUDispatcher
 import tinyllm
-from tinyllm.kernels import attention_kernels, block, dispatch, intdot, linear_kernels, panel_kernels, pointwise, q4_kernels
+from tinyllm.kernels import (attention_kernels, block, dispatch, intdot, kquant_kernels, linear_kernels, panel_kernels,
+                             pointwise, q4_kernels, q5_kernels)
 from tiny_gguf import tiny_llama
 
 def signatures():
-    modules = (attention_kernels, block, dispatch, intdot, linear_kernels, panel_kernels, pointwise, q4_kernels)
+    modules = (attention_kernels, block, dispatch, intdot, kquant_kernels, linear_kernels, panel_kernels, pointwise,
+               q4_kernels, q5_kernels)
     return {(mod.__name__, name, sig) for mod in modules for name, f in vars(mod).items()
             if isinstance(f, CPUDispatcher) for sig in f.signatures}
 
@@ -249,7 +280,7 @@ types |= {"blk.0.ffn_down.weight": "Q4_K", "blk.1.ffn_down.weight": "Q6_K", "tok
 tiny_llama(PATH, dim=256, n_heads=4, n_kv_heads=2, ffn=256, types=types)
 m = tinyllm.load(PATH, quant="native", activations="int8")
 kinds = {tuple(type(w).__name__ for w in (l.wqkv, l.wo, l.w_in, l.w_out)) for l in m.layers}
-assert kinds == {("Int8Block",) * 3 + ("Q4KBlock",), ("Int8Block",) * 3 + ("Q6KBlock",)}, kinds
+assert kinds == {("Q5Block",) * 3 + ("Q4KBlock",), ("Q5Block",) * 3 + ("Q6KBlock",)}, kinds
 before = signatures()
 cache = m.new_cache(32)
 m.prefill([1, 72, 101, 108], cache)
@@ -262,7 +293,7 @@ assert not new, new
 
 @pytest.mark.slow
 def test_a_file_mixing_formats_in_a_layer_compiles_nothing_mid_request(tmp_path):
-    """Q4_K_M's layers: Q5_0 matrices (kept as int8 blocks) beside a Q4_K or Q6_K ffn_down. Warm-up compiles the
+    """Q4_K_M's layers: Q5_0 matrices (kept as they are) beside a Q4_K or Q6_K ffn_down. Warm-up compiles the
     fused block of each kind of layer the model has, so a first decode compiles nothing. In a fresh process:
     signatures compiled by earlier tests would hide a gap."""
     import subprocess

@@ -40,13 +40,13 @@ from pathlib import Path
 import numpy as np
 
 from .config import ModelConfig
-from .quant import Int8Block, Int8Channel, Q4Block, Q4KBlock, Q6KBlock, QuantizedWeight
+from .quant import Int8Block, Int8Channel, Q4Block, Q4KBlock, Q5Block, Q6KBlock, QuantizedWeight
 from .tokenizer import Tokenizer
 
 MAGIC = b"TINYLLM1"
 PREAMBLE = len(MAGIC) + 8 + 32   # magic, header length, header hash
 ALIGN = 64          # every array starts on a cache line (and the kernels' loads are aligned as in memory)
-WEIGHT_CLASSES = {cls.__name__: cls for cls in (Int8Channel, Int8Block, Q4Block, Q4KBlock, Q6KBlock)}
+WEIGHT_CLASSES = {cls.__name__: cls for cls in (Int8Channel, Int8Block, Q4Block, Q4KBlock, Q5Block, Q6KBlock)}
 CONVERTING_SOURCES = ("weights.py", "quant.py", "gguf.py", "kquants.py", "gguf_weights.py", "checkpoint.py",
                       "vocab_files.py", "tokenizer.py", "pretokenize.py", "config.py", "converted.py")
 

@@ -14,7 +14,7 @@ kernels.linear). Norms and the KV cache stay float32; only the big matrices shri
 
 Rounding is to nearest (not truncation); an all-zero row or block gets scale 1 so it still decodes to zeros.
 The default model's file already holds Q4_1 matrices and a Q8_0 embedding: `from_gguf_block` repacks those
-bytes (and a Q4_K_M file's Q4_K ones) without loss, so tinyllm can run on the file's own 4-bit weights.
+bytes (and a Q4_K_M file's Q4_K, Q5_0 and Q6_K ones) without loss, so tinyllm can run on the file's own 4-bit weights.
 
 Optionally the input of a quantized linear is rounded too, as llama.cpp always does: each row of activations to
 int8 with one scale per block of 32 values (Q8_0's scheme, `quantize_activations`; a setting of the model's
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .kquants import bits, f16, k4_scales, k4_values, nibbles_split, q6_k_scales, q6_k_values
+from .kquants import f16, k4_scales, k4_values, q6_k_scales, q6_k_values
 
 BLOCK = 32
 SUPER = 8   # q4_k: blocks of 32 per super-block (256 values, as ggml's QK_K)
@@ -170,6 +170,49 @@ class Q6KBlock(QuantizedWeight):
         q = self.q[rows]
         halves = q.reshape(q.shape[0], -1, 2, BLOCK // 2).astype(np.float32)         # [o, I/32, 2, 16]
         return (self.scale[rows][..., None] * halves).reshape(q.shape)                # [o, I]
+
+
+@dataclass(repr=False)
+class Q5Block(QuantizedWeight):
+    """llama.cpp's Q5_0 (most matrices of a Q4_K_M file whose rows are not whole super-blocks) as the file holds it:
+    5-bit values q in [0, 31], W = d * (q - 16), with q's low 4 bits packed as Q4_1's and its fifth bits one uint32
+    per block of 32 (bit j: value j). 0.75 bytes a weight (the fp16 d widened to float32), the file's 0.69."""
+
+    packed: np.ndarray  # [O, I/2] uint8: the low 4 bits, Q4_1's nibble order within each block of 32
+    d: np.ndarray       # [O, I/32] float32 (fp16 values)
+    high: np.ndarray    # [O, I/32] uint32: bit j is the fifth bit of the block's value j
+
+    @property
+    def shape(self):
+        return self.packed.shape[0], self.packed.shape[1] * 2
+
+    def values(self, rows=slice(None)) -> np.ndarray:
+        """q - 16, whole numbers in [-16, 15]. -> [o, I] int8"""
+        p = self.packed[rows]
+        nib = p.reshape(p.shape[0], -1, BLOCK // 2)                                  # [o, I/32, 16]
+        fifth = (self.high[rows][..., None] >> np.arange(BLOCK, dtype=np.uint32)) & 1   # [o, I/32, 32]
+        q = np.concatenate([nib & 0x0F, nib >> 4], axis=-1) | (fifth.astype(np.uint8) << 4)
+        return (q.astype(np.int8) - np.int8(16)).reshape(p.shape[0], -1)
+
+    def dequantize(self, rows=slice(None)):
+        q = self.values(rows)
+        blocks = q.reshape(q.shape[0], -1, BLOCK).astype(np.float32)                # [o, I/32, 32]
+        return (blocks * self.d[rows, :, None]).reshape(q.shape)                     # [o, I]
+
+    def as_int8_block(self) -> Int8Block:
+        """The same values as an Int8Block, exactly (to fuse with a Q8_0 matrix: a Q4_K_M file's v beside q, k)."""
+        return Int8Block(self.values(), self.d)
+
+
+def same_format(parts: list) -> list:
+    """Matrices to be stacked into one, in one format where that is exact: Q5Block parts beside Int8Block ones as
+    int8 blocks. Other mixes as float32."""
+    kinds = {type(p) for p in parts}
+    if kinds == {Q5Block, Int8Block}:
+        return [p.as_int8_block() if isinstance(p, Q5Block) else p for p in parts]
+    if len(kinds) > 1:
+        return [p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts]
+    return parts
 
 
 # --- activations ---------------------------------------------------------------------------------------------
@@ -325,8 +368,7 @@ def quantization_error(w: np.ndarray, qw: QuantizedWeight) -> tuple[float, float
 
 def from_gguf_block(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantizedWeight:
     """Repack a GGUF Q4_1, Q8_0, Q5_0, Q4_K or Q6_K tensor's bytes into planar arrays, exactly (f16 scales widen to f32).
-    Q5_0's 5-bit values minus 16 are whole numbers in [-16, 15] times one scale per 32: an int8 block, exactly
-    (8 bits where the file spends 5, the price of running on the int8 kernels)."""
+    Q5_0 as a Q5Block: its bytes as they are, but planar."""
     O, I = shape
     if type_name == "Q4_K":
         blocks = raw.reshape(-1, 144)                                                # [O * I/256, 144 bytes]
@@ -351,8 +393,9 @@ def from_gguf_block(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> 
         return Q6KBlock(q6_k_values(blocks).reshape(O, I), scale)
     if type_name == "Q5_0":
         blocks = raw.reshape(-1, 22)                                                 # [O * I/32, 22 bytes]
-        q = nibbles_split(blocks[:, 6:22]) | (bits(blocks[:, 2:6], 32) << 4)        # [O * I/32, 32] in [0, 31]
-        return Int8Block((q.astype(np.int8) - np.int8(16)).reshape(O, I), f16(blocks, 0).reshape(O, I // BLOCK))
+        high = blocks[:, 2:6].copy().view("<u4").astype(np.uint32)                   # [O * I/32, 1]
+        return Q5Block(np.ascontiguousarray(blocks[:, 6:22]).reshape(O, I // 2), f16(blocks, 0).reshape(O, -1),
+                       high.reshape(O, -1))
     raise ValueError(f"GGUF type {type_name} has no native tinyllm format (native: {', '.join(NATIVE_TYPES)})")
 
 

@@ -17,7 +17,7 @@ from . import converted
 from .checkpoint import CheckpointError, expected_shapes  # noqa: F401  (callers import these from here too)
 from .gguf_weights import gguf_config, load_gguf, unpermute_rope_rows  # noqa: F401
 from .hf_weights import hf_config, load_hf_dir, read_safetensors  # noqa: F401
-from .quant import FORMATS, QuantizedWeight, quantization_error, quantize
+from .quant import FORMATS, QuantizedWeight, quantization_error, quantize, same_format
 
 QUANT_CHOICES = (None, "fp32", "native") + FORMATS
 # the matrices quantization applies to (norms, biases and learned positions stay float32)
@@ -75,9 +75,9 @@ def fuse_layer_matrices(weights: dict, n_layers: int) -> dict:
 
 def fuse_rows(parts: list):
     """Stack [O_i, I] matrices into one [sum O_i, I] (float arrays or quantized weights of one type). Parts of mixed
-    formats (a file's mix of types kept natively, e.g. Q4_K q/k beside a Q6_K v) are stacked as float32."""
-    if len({type(p) for p in parts}) > 1:
-        parts = [p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts]
+    formats (a file's mix of types kept natively, e.g. Q4_K q/k beside a Q6_K v) are stacked in one format where
+    that is exact (Q5_0 beside Q8_0: int8 blocks), else as float32 (quant.same_format)."""
+    parts = same_format(parts)
     if isinstance(parts[0], QuantizedWeight):
         return type(parts[0]).concat_rows(parts)
     return np.concatenate(parts)

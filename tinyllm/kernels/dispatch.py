@@ -35,9 +35,10 @@ from .linear_kernels import (OUT_BLOCK, TILE_MIN_ROWS, int8_a8_task, linear_int8
                              quantize_rows, round_rows, rows_task)
 from .panel_kernels import PANEL_MIN_ROWS, PANELS_FOR_INT8, linear_integer_panels, linear_panels
 from .q4_kernels import linear_q4, linear_q4_a8, q4_a8_task, q4_inputs, q4_rows_task, split_halves
+from .q5_kernels import linear_q5, linear_q5_a8, linear_q5_panels, q5_a8_task, q5_rows_task
 from .pointwise import swiglu_into, swiglu_rows_into
 from .prefill_attention import tiled_causal_attention
-from .weight_formats import INT8, QUANTIZED, Float32Weight, Q4Weight, Q6KWeight, kernel_weight, typed_as
+from .weight_formats import INT8, QUANTIZED, Float32Weight, Q4Weight, Q5Weight, Q6KWeight, kernel_weight, typed_as
 
 SMALL_M = 128     # up to this many rows the Numba linears beat BLAS (docs/design/kernels.md)
 FEW_TOKENS = 16   # up to this many query tokens attention splits over positions (decode, verification)
@@ -52,7 +53,7 @@ Q4_INTEGER_TILES_FROM = FEW_TOKENS + 1
 
 def integer_tiles_from(w) -> int:
     """From how many input rows a quantized weight w multiplies int8-rounded inputs in integer tiles."""
-    return Q4_INTEGER_TILES_FROM if isinstance(w, Q4Weight) else INTEGER_TILES_FROM
+    return Q4_INTEGER_TILES_FROM if isinstance(w, (Q4Weight, Q5Weight)) else INTEGER_TILES_FROM   # (Q5_0: 4-bit's dots)
 
 
 # --- linear -----------------------------------------------------------------------------------------------------
@@ -66,17 +67,18 @@ def linear_into(w, x, out, int8_inputs: bool, int_dots: bool) -> None:
     tiles)."""
     few, many, integer = ((linear_q4, linear_q4, linear_q4_a8) if isinstance(w, Q4Weight)
                           else (linear_q6k, linear_q6k, linear_q6k_a8) if isinstance(w, Q6KWeight)   # (no tiles)
+                          else (linear_q5, linear_q5, linear_q5_a8) if isinstance(w, Q5Weight)       # (no tiles)
                           else (linear_rows, linear_tiled, linear_int8_a8))
-    k_quant = isinstance(w, Q6KWeight)
-    if x.shape[0] >= PANEL_MIN_ROWS and not k_quant and (not isinstance(w, INT8) or PANELS_FOR_INT8):   # a prompt
-        many = linear_panels                                                             # chunk (int8: no AVX-512)
+    k_quant, five_bit = isinstance(w, Q6KWeight), isinstance(w, Q5Weight)
+    if x.shape[0] >= PANEL_MIN_ROWS and not (k_quant or five_bit) and (not isinstance(w, INT8) or PANELS_FOR_INT8):
+        many = linear_panels                                             # a prompt chunk (int8: no AVX-512)
     rounded = int8_inputs and isinstance(w, QUANTIZED)
     tiles_from = integer_tiles_from(w)
-    row_dots_below = tiles_from if isinstance(w, Q4Weight) and intdot.USE_INT_DOTS else TILE_MIN_ROWS
+    row_dots_below = tiles_from if isinstance(w, (Q4Weight, Q5Weight)) and intdot.USE_INT_DOTS else TILE_MIN_ROWS
     if rounded and x.shape[0] < row_dots_below:                          # a few rows: integer dot products
         integer(w, x, out, int_dots)
     elif rounded and intdot.USE_INT_DOTS and x.shape[0] >= tiles_from and x.shape[1] % BLOCK == 0 and not k_quant:
-        linear_integer_panels(w, x, out)                                 # many rows: integer tiles
+        (linear_q5_panels if five_bit else linear_integer_panels)(w, x, out)   # many rows: integer tiles
     else:                                                                # float kernels (on the rounded rows)
         (few if x.shape[0] < TILE_MIN_ROWS else many)(w, round_rows(x) if rounded else x, out)
 
@@ -87,6 +89,8 @@ def _linear_into_typed(w, x, out, int8_inputs, int_dots):
         few, many, integer = linear_q4, linear_q4, linear_q4_a8
     elif typed_as(w, Q6KWeight):                                        # Q6_K: the same
         few, many, integer = linear_q6k, linear_q6k, linear_q6k_a8
+    elif typed_as(w, Q5Weight):                                         # Q5_0: the same
+        few, many, integer = linear_q5, linear_q5, linear_q5_a8
     else:                                                                # fp32, int8, int8-block
         few, many, integer = linear_rows, linear_tiled, linear_int8_a8
 
@@ -96,7 +100,7 @@ def _linear_into_typed(w, x, out, int8_inputs, int_dots):
         else:
             many(w, x, out)
 
-    row_dots_below = Q4_INTEGER_TILES_FROM if typed_as(w, Q4Weight) else TILE_MIN_ROWS
+    row_dots_below = Q4_INTEGER_TILES_FROM if typed_as(w, (Q4Weight, Q5Weight)) else TILE_MIN_ROWS
 
     def rounded(w, x, out, int8_inputs, int_dots):                       # quantized weights, int8 activations
         if x.shape[0] < row_dots_below:
@@ -127,7 +131,8 @@ def linear_share(w, x, out, int8_inputs: bool, int_dots: bool, tid: int, n: int)
     O = w[0].shape[0]
     first, end = thread_share(n_tasks(O), tid, n)
     four_bit, int8, six_bit = isinstance(w, Q4Weight), isinstance(w, INT8), isinstance(w, Q6KWeight)
-    if int8_inputs and four_bit:
+    five_bit = isinstance(w, Q5Weight)
+    if int8_inputs and (four_bit or five_bit):
         xq, _, xs = quantize_rows(x)
         xg, scales, sums = q4_inputs(xq, xs, int_dots)
     elif int8_inputs and (int8 or six_bit):
@@ -138,6 +143,8 @@ def linear_share(w, x, out, int8_inputs: bool, int_dots: bool, tid: int, n: int)
         o0, o1 = task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK)
         if int8_inputs and four_bit:
             q4_a8_task(w, xq, xs, xg, scales, sums, out, o0, o1, int_dots)
+        elif int8_inputs and five_bit:
+            q5_a8_task(w, xq, xs, xg, scales, sums, out, o0, o1, int_dots)
         elif int8_inputs and int8:
             int8_a8_task(w, xq, xstart, xs, out, o0, o1, int_dots)
         elif int8_inputs and six_bit:
@@ -146,6 +153,8 @@ def linear_share(w, x, out, int8_inputs: bool, int_dots: bool, tid: int, n: int)
             q4_rows_task(w, xlo, xhi, xsum, out, o0, o1, 0)
         elif six_bit:
             q6k_rows_task(w, x, out, o0, o1)
+        elif five_bit:
+            q5_rows_task(w, x, out, o0, o1)
         else:
             rows_task(w, x, out, o0, o1)
 
@@ -174,6 +183,19 @@ def _linear_share_typed(w, x, out, int8_inputs, int_dots, tid, n):
                 q4_a8_task(w, xq, xs, xg, scales, sums, out, task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK),
                            int_dots)
         return q4_a8
+    if typed_as(w, Q5Weight):
+        def q5(w, x, out, int8_inputs, int_dots, tid, n):
+            O, first, end = tasks(w, tid, n)
+            if rounded:
+                xq, _, xs = quantize_rows(x)
+                xg, scales, sums = q4_inputs(xq, xs, int_dots)
+                for task in range(first, end):
+                    q5_a8_task(w, xq, xs, xg, scales, sums, out, task * OUT_BLOCK,
+                               min(O, task * OUT_BLOCK + OUT_BLOCK), int_dots)
+            else:
+                for task in range(first, end):
+                    q5_rows_task(w, x, out, task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK))
+        return q5
     if typed_as(w, Q6KWeight):
         def q6k(w, x, out, int8_inputs, int_dots, tid, n):
             O, first, end = tasks(w, tid, n)

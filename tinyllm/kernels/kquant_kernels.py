@@ -11,15 +11,16 @@ the numpy backend's linear with int8 inputs (round x, dequantize the weight, mul
 Per block b of 32 the product is an integer dot product scaled twice, as for Q4_1 (q4_kernels.py), except that the
 block's scale and minimum are made from their 6-bit integers on the way:
     sum_j W[o, j] xq[j] xs[b] = xs[b] (d[b // 8] scales[b] sum_j q[j] xq[j] - dmin[b // 8] mins[b] sum_j xq[j])
-so each task expands its rows' scales into a scratch of Q4_1's form and runs Q4_1's task on them: the same numbers
-as the Q4_1 arrays a Q4KBlock equals (to the last bit or so: fastmath may order a sum differently in each compile),
-from 0.6 bytes a weight instead of 0.75.
-Not wired into dispatch.py or the fused block yet: a model still runs a Q4KBlock as those Q4_1 arrays
-(weight_formats.kernel_weight), which is faster today: expanding the scales costs about as much per block as the
-vector dot itself (4096 x 4096, one row, one thread: 0.71 ms here, 0.46 ms on the Q4_1 arrays). The fast design is
-ggml's: round the activations with one scale per 256 (Q8_K), so that a super-block's 8 blocks add up in integers,
-sum_b scales[b] * isum[b], and take two float multiplies per 256 values. Left out: float inputs, tiles for many
-input rows.
+With the vector dots, `dot_q4k` is intdot.four_bit_dot with those scales and minimums made in registers per group
+of blocks; the reference path expands a task's scales into a scratch of Q4_1's form and runs Q4_1's task on them.
+Both give the numbers of the Q4_1 arrays a Q4KBlock equals (to the last bit or so: fastmath may order a sum
+differently in each compile), from 0.6 bytes a weight instead of 0.75.
+Not wired into dispatch.py or the fused block: a model still runs a Q4KBlock as those Q4_1 arrays
+(weight_formats.kernel_weight). One row, one thread, fused against the Q4_1 arrays (ms, VNNI): 4096 x 4096 0.37 /
+0.45 (fewer bytes from memory), but 576 x 1536 0.0227 / 0.0212 and 1536 x 576 0.0273 / 0.0228 (in cache, the
+conversions cost what the vector dot does); AVX2 alike. The faster design is ggml's: round the activations with
+one scale per 256 (Q8_K), so that a super-block's 8 blocks add up in integers, sum_b scales[b] * isum[b], and take
+two float multiplies per 256 values. Left out: float inputs, tiles for many input rows.
 """
 from __future__ import annotations
 
@@ -27,17 +28,100 @@ import numpy as np
 from numba import njit, prange
 
 from ..quant import BLOCK, SUPER
-from .intdot import HAVE_AVX2, HAVE_VNNI, INT_DOTS
+from .intdot import HAVE_AVX2, HAVE_VNNI, INT_DOTS, q4_group
 from .linear_kernels import OUT_BLOCK, n_tasks, quantize_rows
 from .numerics import PARALLEL, SERIAL
-from .q4_kernels import q4_a8_task, q4_inputs
+from .q4_kernels import last_block_sums, q4_a8_task, q4_inputs
+
+
+@njit(**SERIAL)
+def dot_q4k_reference(w, o, scales, mins, d, dmin, xg, xs4, xsum4):
+    """Row o of a Q4KBlock's arrays in intdot.dot_q4's contract (its input layout, its even blocks), each block's
+    scale d[b // 8] * scales[b] and minimum -(dmin[b // 8] * mins[b]) made on the way."""
+    acc = np.float32(0.0)
+    for b in range(xs4.shape[0] // 4):
+        first, size = q4_group(b, scales.shape[1])
+        low = BLOCK * first + 16 * (b - first)                     # where block b's values 0-15 sit in xg
+        scale = d[o, b // SUPER] * np.float32(scales[o, b])
+        minimum = dmin[o, b // SUPER] * np.float32(mins[o, b])
+        for lane in range(4):
+            isum = np.int32(0)
+            for k in range(4 * lane, 4 * lane + 4):
+                byte = np.int32(w[o, 16 * b + k])
+                isum += (byte & 15) * np.int32(xg[low + k]) + (byte >> 4) * np.int32(xg[low + 16 * size + k])
+            acc += np.float32(isum) * (scale * xs4[4 * b + lane]) - minimum * xsum4[4 * b + lane]
+    return acc
+
+
+dot_q4k = dot_q4k_reference
+if INT_DOTS:       # the fused dot: intdot's 4-bit row dot, each group's scales and minimums made in registers
+    from llvmlite import ir
+    from numba import types
+    from numba.extending import intrinsic
+
+    from .intdot import f32, four_bit_dot, i8, load, structs
+
+    def _q4k_dot_codegen(isa):
+        """dot_q4k: intdot.four_bit_dot (dot_q4's contract in VNNI, dot_q4_blocks' in AVX2) with each group's
+        scales d[b // 8] * scales[b] and minimums -(dmin[b // 8] * mins[b]) made from the uint8 integers and the
+        super-block's two floats (a group of 4 or 2 blocks never straddles a super-block of 8). The two products
+        are not reassociated (no fast flags): the numbers of Q4KBlock.block_scales, as ggml rounds them."""
+        def codegen(context, builder, signature, args):
+            a = structs(context, builder, signature, args, "w o scales mins d dmin xg xs xsum")
+            o = a["o"]
+            row = builder.gep(a["w"].data, [builder.mul(o, builder.extract_value(a["w"].shape, 1))])
+            n_blocks, n_super = builder.extract_value(a["scales"].shape, 1), builder.extract_value(a["d"].shape, 1)
+            at = lambda name, n: builder.gep(a[name].data, [builder.mul(o, n)])            # noqa: E731
+            scales, mins, d, dmin = at("scales", n_blocks), at("mins", n_blocks), at("d", n_super), at("dmin", n_super)
+
+            def block_terms(first, size):
+                vec = ir.VectorType(f32, size)
+                sup = builder.udiv(first, ir.Constant(first.type, 8))
+
+                def times(super_row, ints, sign=1.0):   # sign * super_row[sup] * each block's integer (float32)
+                    value = builder.load(builder.gep(super_row, [sup]))
+                    if sign < 0:                    # -(dmin m) = (-dmin) m exactly: one scalar negation
+                        value = builder.fmul(value, ir.Constant(f32, sign))
+                    one = builder.insert_element(ir.Constant(vec, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
+                    spread = builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined),
+                                                    ir.Constant(ir.VectorType(ir.IntType(32), size), [0] * size))
+                    return builder.fmul(spread, builder.uitofp(load(builder, ints, first, ir.VectorType(i8, size)),
+                                                               vec))
+                return times(d, scales), times(dmin, mins, -1.0)
+            return four_bit_dot(builder, a, isa, row, n_blocks, block_terms)
+        return codegen
+
+    def _q4k_dot_in(isa):
+        @intrinsic
+        def dot_q4k(typingctx, w, o, scales, mins, d, dmin, xg, xs, xsum):
+            return types.float32(w, o, scales, mins, d, dmin, xg, xs, xsum), _q4k_dot_codegen(isa)
+        return dot_q4k
+
+    # each instruction set the host has (the tests hold both to intdot's 4-bit reference bodies on a VNNI host)
+    Q4K_DOTS = {isa: _q4k_dot_in(isa) for isa, have in (("vnni", HAVE_VNNI), ("avx2", HAVE_AVX2)) if have}
+    dot_q4k = Q4K_DOTS[INT_DOTS]
 
 
 @njit(**SERIAL)
 def q4k_a8_task(w, xq, xs, xg, xscales, sums, out, o0, o1, int_dots):
-    """linear_q4k_a8's rows o0 .. o1-1: their blocks' scales and minimums made from the 6-bit integers into a small
-    scratch (OUT_BLOCK rows: it stays in L1), then q4_kernels.q4_a8_task on those rows, with intdot.py's dots."""
+    """linear_q4k_a8's rows o0 .. o1-1. With int_dots, dot_q4k per row (an odd last block after, as Q4_1's task
+    adds it). Else their blocks' scales and minimums made from the 6-bit integers into a small scratch (OUT_BLOCK
+    rows: it stays in L1), then q4_kernels.q4_a8_task on those rows with intdot's reference bodies."""
     packed, scales, mins, d, dmin = w
+    if int_dots:
+        for m in range(xq.shape[0]):
+            g, s, sm = xg[m], xscales[m], sums[m]
+            for o in range(o0, o1):
+                out[m, o] = dot_q4k(packed, o, scales, mins, d, dmin, g, s, sm)
+        last = xs.shape[1] - 1
+        if last % 2 == 0:                      # an odd block count: the last block, in integers
+            for o in range(o0, o1):
+                scale = d[o, last // SUPER] * np.float32(scales[o, last])
+                minimum = dmin[o, last // SUPER] * np.float32(mins[o, last])
+                for m in range(xq.shape[0]):
+                    isum, xsum = last_block_sums(packed, o, xq, m, last)
+                    out[m, o] += xs[m, last] * (scale * np.float32(isum) - minimum * np.float32(xsum))
+        return
     nb = scales.shape[1]
     block_d = np.empty((o1 - o0, nb), np.float32)                   # [rows, I/32] d * scale, as ggml rounds it
     block_m = np.empty((o1 - o0, nb), np.float32)                   # [rows, I/32] -(dmin * min)
@@ -83,7 +167,7 @@ if INT_DOTS:       # the vector version, in the instructions of intdot.py's dots
     from numba import types
     from numba.extending import intrinsic
 
-    from .intdot import _FAST, _V16f32, _f32, _halves, _i8, _i32, _joined, _load, _quad_sums, _row_sum, _structs
+    from .intdot import FAST, V16f32, f32, halves, i8, i32, joined, load, quad_sums, row_sum, structs
     from .llvm_ir import call
 
     def _q6k_dot_codegen(isa):
@@ -91,7 +175,7 @@ if INT_DOTS:       # the vector version, in the instructions of intdot.py's dots
         each lane scaled by its block's input scale times its half block's weight scale. (A Q6_K row is whole
         super-blocks of 8 blocks: no odd last block.)"""
         def codegen(context, builder, signature, args):
-            a = _structs(context, builder, signature, args, "q o scale xq xstart xs")
+            a = structs(context, builder, signature, args, "q o scale xq xstart xs")
             row = builder.gep(a["q"].data, [builder.mul(a["o"], builder.extract_value(a["q"].shape, 1))])
             n_blocks = builder.extract_value(a["scale"].shape, 1)
             two = ir.Constant(n_blocks.type, 2)
@@ -99,29 +183,29 @@ if INT_DOTS:       # the vector version, in the instructions of intdot.py's dots
 
             def blocks(first, size):                # blocks first .. first+size-1 -> <8*size x float> of terms
                 nbytes, lanes = BLOCK * size, 8 * size
-                bytes_type = ir.VectorType(_i8, nbytes)
+                bytes_type = ir.VectorType(i8, nbytes)
                 x_off = builder.mul(first, ir.Constant(first.type, BLOCK))
-                w, x = _load(builder, row, x_off, bytes_type), _load(builder, a["xq"].data, x_off, bytes_type)
+                w, x = load(builder, row, x_off, bytes_type), load(builder, a["xq"].data, x_off, bytes_type)
                 if isa == "vnni":                   # w + 128 against x, from -128 times x's sums (intdot.py)
-                    start = _load(builder, a["xstart"].data, builder.mul(first, ir.Constant(first.type, 8)),
-                                  ir.VectorType(_i32, lanes))
-                    isum = _quad_sums(builder, start, builder.xor(w, ir.Constant(bytes_type, [-128] * nbytes)), x,
+                    start = load(builder, a["xstart"].data, builder.mul(first, ir.Constant(first.type, 8)),
+                                  ir.VectorType(i32, lanes))
+                    isum = quad_sums(builder, start, builder.xor(w, ir.Constant(bytes_type, [-128] * nbytes)), x,
                                       isa)
                 else:                               # |w| against sign(w) * x
-                    sign = lambda v: _joined(builder, [call(builder, "llvm.x86.avx2.psign.b", p.type, p, wp)  # noqa
-                                                       for p, wp in zip(_halves(builder, v), _halves(builder, w))])
-                    isum = _quad_sums(builder, ir.Constant(ir.VectorType(_i32, lanes), [0] * lanes), sign(w),
+                    sign = lambda v: joined(builder, [call(builder, "llvm.x86.avx2.psign.b", p.type, p, wp)  # noqa
+                                                       for p, wp in zip(halves(builder, v), halves(builder, w))])
+                    isum = quad_sums(builder, ir.Constant(ir.VectorType(i32, lanes), [0] * lanes), sign(w),
                                       sign(x), isa)
 
                 def spread(v, each):                # <n x float> -> each lane repeated `each` times
-                    order = ir.Constant(ir.VectorType(_i32, lanes), [j // each for j in range(lanes)])
+                    order = ir.Constant(ir.VectorType(i32, lanes), [j // each for j in range(lanes)])
                     return builder.shuffle_vector(v, ir.Constant(v.type, ir.Undefined), order)
-                xs = _load(builder, a["xs"].data, first, ir.VectorType(_f32, size))
-                ws = _load(builder, scale_row, builder.mul(first, two), ir.VectorType(_f32, 2 * size))
-                scale = builder.fmul(spread(xs, 8), spread(ws, 4), flags=_FAST)
-                return builder.fmul(builder.sitofp(isum, ir.VectorType(_f32, lanes)), scale, flags=_FAST)
-            return _row_sum(builder, builder.udiv(n_blocks, two), lambda i: blocks(builder.mul(i, two), 2), row,
-                            2 * BLOCK, _V16f32)
+                xs = load(builder, a["xs"].data, first, ir.VectorType(f32, size))
+                ws = load(builder, scale_row, builder.mul(first, two), ir.VectorType(f32, 2 * size))
+                scale = builder.fmul(spread(xs, 8), spread(ws, 4), flags=FAST)
+                return builder.fmul(builder.sitofp(isum, ir.VectorType(f32, lanes)), scale, flags=FAST)
+            return row_sum(builder, builder.udiv(n_blocks, two), lambda i: blocks(builder.mul(i, two), 2), row,
+                            2 * BLOCK, V16f32)
         return codegen
 
     def _dot_in(isa):

@@ -171,13 +171,21 @@ def q4_a8_task(w, xq, xs, xg, scales, sums, out, o0, o1, int_dots):
     if last % 2 == 0:                          # an odd block count: the last block, in integers
         for o in range(o0, o1):
             for m in range(xq.shape[0]):
-                isum, xsum = 0, 0
-                for j in range(16):
-                    byte = np.int32(packed[o, 16 * last + j])
-                    lo, hi = np.int32(xq[m, BLOCK * last + j]), np.int32(xq[m, BLOCK * last + 16 + j])
-                    isum += (byte & 15) * lo + (byte >> 4) * hi
-                    xsum += lo + hi
+                isum, xsum = last_block_sums(packed, o, xq, m, last)
                 out[m, o] += xs[m, last] * (d[o, last] * np.float32(isum) + mins[o, last] * np.float32(xsum))
+
+
+@njit(**SERIAL)
+def last_block_sums(packed, o, xq, m, last):
+    """Block `last` of 4-bit row o against rounded input row m -> (sum of its 4-bit values times the inputs, sum of
+    the inputs), in integers: the odd last block the 4-bit dots leave to their callers."""
+    isum, xsum = 0, 0
+    for j in range(16):
+        byte = np.int32(packed[o, 16 * last + j])
+        lo, hi = np.int32(xq[m, BLOCK * last + j]), np.int32(xq[m, BLOCK * last + 16 + j])
+        isum += (byte & 15) * lo + (byte >> 4) * hi
+        xsum += lo + hi
+    return isum, xsum
 
 
 @njit(**PARALLEL)

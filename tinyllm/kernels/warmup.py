@@ -22,7 +22,7 @@ import numba
 import numpy as np
 
 from ..kv_cache import int8_group, kv_storage
-from ..quant import BLOCK, Int8Block, Int8Channel, Q4Block, Q4KBlock, Q6KBlock, quantize
+from ..quant import BLOCK, Int8Block, Int8Channel, Q4Block, Q4KBlock, Q5Block, Q6KBlock, quantize
 from . import intdot
 from .block import BLOCKS, THREADED_BLOCKS, plain_blocks_only
 from .dispatch import FEW_TOKENS, FUSED_ROWS, attention, linear, paged_attention, swiglu
@@ -35,7 +35,7 @@ from .spin_barrier import new_state
 from .weight_formats import kernel_weight
 
 FORMATS = {np.ndarray: None, Int8Channel: "int8", Int8Block: "int8-block", Q4Block: "q4_1",
-           Q4KBlock: "q4_1", Q6KBlock: "q6_k"}   # (q4_k runs on the Q4_1 kernels: weight_formats.kernel_weight)
+           Q4KBlock: "q4_1", Q5Block: "q5_0", Q6KBlock: "q6_k"}   # (q4_k runs on the Q4_1 kernels: weight_formats.kernel_weight)
 NOTICE_AFTER_S = 1.0    # loading every kernel from the cache takes well under this; compiling takes seconds
 HELPER_TIMEOUT_S = 600  # a second process compiling the plain blocks: given up on (and done here) after this
 _threaded_helper = None  # the second process compiling threaded blocks, if this process started one
@@ -46,8 +46,11 @@ _done: set = set()      # what is warm, as tagged tuples: ("linear", fmt, int8_i
 
 
 def _matrix(fmt: str | None, rows: int, cols: int = BLOCK):
-    """A [rows, cols] weight of format fmt (None: float32; "q6_k": a file's Q6_K, which nothing quantizes to)."""
+    """A [rows, cols] weight of format fmt (None: float32; "q5_0", "q6_k": a file's, which nothing quantizes to)."""
     w = np.ones((rows, cols), np.float32)
+    if fmt == "q5_0":
+        return Q5Block(np.ones((rows, cols // 2), np.uint8), np.ones((rows, cols // BLOCK), np.float32),
+                       np.ones((rows, cols // BLOCK), np.uint32))
     if fmt == "q6_k":
         return Q6KBlock(np.ones((rows, cols), np.int8), np.ones((rows, cols // BLOCK, 2), np.float32))
     return w if fmt is None else quantize(w, fmt)
