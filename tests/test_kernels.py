@@ -587,6 +587,48 @@ def test_cached_closures_have_the_same_cache_key_in_every_process():
     assert runs[0] == runs[1]
 
 
+BOTH_SETTINGS = """
+import sys
+import numpy as np
+from test_model import random_model
+from tinyllm.kernels import block
+ids = np.random.default_rng(2).integers(0, 50, 40)
+chunks = [ids[:5], ids[5:6], ids[6:7], ids[7:10], ids[10:19], ids[19:35], ids[35:36]]
+for activations in ("int8", "float32"):
+    m = random_model("llama", dim=64, ffn_dim=64, quant="q4_1", activations=activations)
+    out = {}
+    for fused in (False, True):
+        m.fused_decode, block._plain_only = fused, False
+        cache = m.new_cache(40)
+        out[fused] = np.concatenate([m.forward(c, cache) for c in chunks])
+    print(activations, float(np.abs(out[True] - out[False]).max()))
+"""
+
+
+def test_each_activations_setting_compiles_blocks_of_its_own_name():
+    """Numba names a compiled function (and its cache file) by its qualified name; the two settings' blocks are
+    closures of one function, so each takes a name of its own (block.named_for): see the test below."""
+    from tinyllm.kernels import block
+    for kernels in (block.BLOCKS, block.THREADED_BLOCKS, {False: block.threaded_block_float,
+                                                          True: block.threaded_block_int8}):
+        assert kernels[False].py_func.__qualname__ != kernels[True].py_func.__qualname__
+
+
+@pytest.mark.slow
+def test_both_activations_settings_in_one_process_each_run_their_own_threaded_block():
+    """A process that runs a quantized model with int8 activations and then one with float activations (or the
+    other way round), their threaded blocks loaded from Numba's cache: each gives the op-by-op logits. With one name
+    for both, the second ran the first's code (off by 0.37). Twice: the first run may compile, the second loads."""
+    import subprocess
+    import sys
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", BOTH_SETTINGS], cwd=Path(__file__).parent, capture_output=True,
+                           text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        for line in r.stdout.splitlines():
+            assert float(line.split()[1]) < 1e-4, r.stdout
+
+
 HELPER_CHECK = """
 import importlib
 import time

@@ -21,7 +21,7 @@ import numpy as np
 from . import ops
 from .kv_cache import ContiguousKVCache, attention_inputs
 from .quant import QuantizedWeight, round_activations
-from .threads import ThreadGovernor, note_kernel_thread, step_threads
+from .threads import ThreadGovernor, free_threads, note_kernel_thread, step_threads
 
 BACKENDS = ("numba", "numpy")
 
@@ -68,7 +68,7 @@ class NumpyBackend:
     def warm_up_paged(self, model, kv_dtype: str = "float32") -> float:
         return 0.0
 
-    def governed(self, key):
+    def governed(self, key, probe: bool = True):
         return nullcontext()            # (numpy's threads are BLAS's own)
 
 
@@ -116,19 +116,22 @@ class NumbaBackend:
             self.kernels.decode_blocks(x, weights, caches, start, cos, sin, c.n_heads, c.norm_eps, model.int8_inputs)
 
     @contextmanager
-    def governed(self, key):
+    def governed(self, key, probe: bool = True):
         """Run the step inside on as many threads as the ThreadGovernor of `key` (the step's shape) chooses: the
-        most allowed, unless fewer ran faster lately (a busy machine: threads.py); its time goes to the governor."""
+        most allowed, unless fewer ran faster lately (a busy machine: threads.py); its time goes to the governor.
+        probe=False (a prompt's pass: one such pass may be a whole request, too few to measure a count on): as many
+        threads as cores are free right now."""
         note_kernel_thread()
-        governor = self._governors.get(key)
-        if governor is None:
+        governor = self._governors.get(key) if probe else None
+        if governor is None and probe:
             governor = self._governors[key] = ThreadGovernor()
-        n = governor.choose()
+        n = governor.choose() if probe else free_threads()
         if n != self.kernels.get_num_threads():
             step_threads(n)                             # (Numba's for this thread, and BLAS's; the head runs on n too)
         t0 = time.perf_counter()
         yield
-        governor.record(n, time.perf_counter() - t0)
+        if probe:
+            governor.record(n, time.perf_counter() - t0)
 
     def warm_up(self, model, kv_dtype: str = "float32") -> float:
         """Compile (or load from Numba's disk cache) the kernels of this model's weight formats, activations setting

@@ -27,6 +27,7 @@ from .quant import QuantizedWeight
 from .weights import fuse_layer_matrices
 
 ACTIVATIONS = ("float32", "int8")
+PROBED_ROWS = 32     # passes up to this many rows (decode steps, batched or not) have a ThreadGovernor
 __all__ = ["Transformer", "LayerWeights", "BACKENDS", "ACTIVATIONS"]
 
 
@@ -232,10 +233,11 @@ class Transformer:
             groups = attention_groups(segments) if not watched else segments
             for pool in {id(g.pool): g.pool for g in groups if hasattr(g, "pool")}.values():
                 self.compute.warm_up_paged(self, pool.kv_dtype)   # (a no-op once warm: see warm_up_pool)
-            # its thread count follows the machine, as the fused step's (threads.py); one governor per number of
-            # sequences and power of two of rows, as steps of one shape take about the same time
+            # its thread count follows the machine (threads.py): a decode step's by a governor per number of
+            # sequences and power of two of rows (steps of one shape take about the same time), a prompt's pass by
+            # the cores free when it starts
             shape = ("ops", len(segments), 1 << (row - 1).bit_length())
-            with self.compute.governed(shape) if not watched else nullcontext():
+            with self.compute.governed(shape, probe=row <= PROBED_ROWS) if not watched else nullcontext():
                 for i, layer in enumerate(self.layers):
                     x = self._block(ops, x, layer, i, rope, groups, trace, edit)   # [N, D]
         for s in segments:

@@ -103,6 +103,12 @@ def step_threads(n: int) -> None:
         _blas_threads = n
 
 
+def free_threads() -> int:
+    """As many threads as cores are free of other processes' work right now, at least one, at most allowed()."""
+    others = others_running()
+    return allowed() if others is None else max(1, min(allowed(), cores() - others))
+
+
 class ThreadGovernor:
     """How many threads the next decode step runs on: the most allowed while the machine has cores for them, one
     (or fewer) while other work keeps them busy.
@@ -144,8 +150,7 @@ class ThreadGovernor:
     def choose(self) -> int:
         most = self.most
         if self.current is None:               # the first step: as many threads as cores free, at least one
-            others = others_running()
-            self.current = most if others is None else max(1, min(most, cores() - others))
+            self.current = min(free_threads(), most)
             if self.current < most:
                 self.gap = self.until_probe = self.CLIMB_GAP
         self.current = min(self.current, most)

@@ -128,7 +128,6 @@ def rotate_and_store(qkv, cos, sin, q, k_cache, k_scales, v_cache, v_scales, pos
 def _compile_block(int8_inputs: bool):
     """The block for one activations setting. int8_inputs is a constant of the compiled code, so that the linears
     compile only that setting's kernels (a first run then compiles only what it uses)."""
-    @njit(**SERIAL)
     def block(x, attn_norm, ffn_norm, wqkv, wo, w_in, w_out, int_dots, k_cache, k_scales, v_cache, v_scales, pos, cos,
                   sin, n_heads, eps, kv_shape):
         wqkv, wo, w_in, w_out = named(wqkv), named(wo), named(w_in), named(w_out)   # (plain tuples from Python)
@@ -166,7 +165,7 @@ def _compile_block(int8_inputs: bool):
         for t in range(T):
             for i in range(D):
                 x[t, i] += delta[t, i]
-    return block
+    return njit(**SERIAL)(named_for(block, int8_inputs))
 
 
 @njit(**SERIAL)
@@ -191,7 +190,6 @@ def _block_arrays(x, w_in, k_cache, pos, n_heads, n):
 
 def _compile_threaded_block(int8_inputs: bool):
     """The threaded block (see the module's docstring) for one activations setting, T < TILE_MIN_ROWS tokens."""
-    @njit(**PARALLEL)
     def threaded_block(x, attn_norm, ffn_norm, wqkv, wo, w_in, w_out, int_dots, k_cache, k_scales, v_cache, v_scales,
                        pos, cos, sin, n_heads, eps, kv_shape, state, n):
         """block's arguments, and: state, the barrier's (spin_barrier.new_state()); n, the region's threads."""
@@ -235,14 +233,13 @@ def _compile_threaded_block(int8_inputs: bool):
                 for t in range(T):
                     for i in range(D):
                         x[t, i] = xm[t, i] + delta[t, i]
-    return threaded_block
+    return njit(**PARALLEL)(named_for(threaded_block, int8_inputs))
 
 
 def _named_threaded_block(int8_inputs: bool):
     """threaded_block of that setting on the plain tuples Python passes (a parallel region takes its weights named
     already). It reaches the parallel function through a global, never its closure: Numba keys a cached closure on
     its captured values, and a captured dispatcher pickles differently in every process (a recompile every run)."""
-    @njit(**SERIAL)
     def named_threaded_block(x, attn_norm, ffn_norm, wqkv, wo, w_in, w_out, int_dots, k_cache, k_scales, v_cache,
                              v_scales, pos, cos, sin, n_heads, eps, kv_shape, state, n):
         wqkv, wo, w_in, w_out = named(wqkv), named(wo), named(w_in), named(w_out)
@@ -252,7 +249,15 @@ def _named_threaded_block(int8_inputs: bool):
         else:
             threaded_block_float(x, attn_norm, ffn_norm, wqkv, wo, w_in, w_out, int_dots, k_cache, k_scales, v_cache,
                                  v_scales, pos, cos, sin, n_heads, eps, kv_shape, state, n)
-    return named_threaded_block
+    return njit(**SERIAL)(named_for(named_threaded_block, int8_inputs))
+
+
+def named_for(f, int8_inputs: bool):
+    """f, named for its activations setting. Numba names a compiled function, and its disk cache file, by the
+    function's qualified name: two closures of one name, both loaded from the cache into one process, ran the
+    first one's code for both settings (the second setting's threaded block gave wrong logits)."""
+    f.__qualname__ = f"{f.__qualname__}_{'int8' if int8_inputs else 'float'}"
+    return f
 
 
 BLOCKS = {False: _compile_block(False), True: _compile_block(True)}     # by activations setting
