@@ -129,7 +129,7 @@ class ThreadGovernor:
 
         n = governor.choose(); numba.set_num_threads(n); <the step>; governor.record(n, seconds)
     """
-    PROBE, FIRST_GAP, CLIMB_GAP, MAX_GAP = 3, 64, 256, 1024   # steps
+    PROBE, FIRST_GAP, CLIMB_GAP, MAX_GAP = 3, 256, 256, 1024   # steps (no probe within a short answer)
     CLIMB, LOOK = 3, 4   # looks in a row (one every LOOK steps) that see a free core before more threads are tried
     SLOWER = 1.5         # the median of the last 3 steps this much slower than the best: the machine got busier
     STALLED = 4.0        # a probe step this much slower than the best: that count loses at once
