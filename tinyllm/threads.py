@@ -103,10 +103,12 @@ def step_threads(n: int) -> None:
         _blas_threads = n
 
 
-def free_threads() -> int:
-    """As many threads as cores are free of other processes' work right now, at least one, at most allowed()."""
+def free_threads(most: int | None = None) -> int:
+    """As many threads as cores are free of other processes' work right now, at least one, at most `most`
+    (default: allowed())."""
+    most = allowed() if most is None else most
     others = others_running()
-    return allowed() if others is None else max(1, min(allowed(), cores() - others))
+    return most if others is None else max(1, min(most, cores() - others))
 
 
 class ThreadGovernor:
@@ -150,7 +152,7 @@ class ThreadGovernor:
     def choose(self) -> int:
         most = self.most
         if self.current is None:               # the first step: as many threads as cores free, at least one
-            self.current = min(free_threads(), most)
+            self.current = free_threads(most)
             if self.current < most:
                 self.gap = self.until_probe = self.CLIMB_GAP
         self.current = min(self.current, most)
