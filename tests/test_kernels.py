@@ -7,11 +7,11 @@ import pytest
 import tinyllm
 from tinyllm import kernels, ops, quant
 from tinyllm.backend import NumpyOps
-from tinyllm.kernels import int8_tiles_avx2, intdot, linear_kernels as lin, panel_kernels as panels, q4_kernels
+from tinyllm.kernels import int8_tiles_avx2, intdot, kquant_kernels, linear_kernels as lin, panel_kernels as panels, q4_kernels
 from tinyllm.kernels.weight_formats import kernel_weight
 
 RNG = np.random.default_rng(0)
-KERNEL_FORMATS = ("int8", "int8-block", "q4_1")   # formats with kernels of their own (q4_k runs as the q4_1 it equals)
+KERNEL_FORMATS = ("int8", "int8-block", "q4_1")   # formats with tiles of their own (q4_k's are the q4_1 it equals)
 
 
 @pytest.mark.parametrize("fmt", ["fp32"] + list(quant.FORMATS))
@@ -38,7 +38,7 @@ def test_linear_panels_matches_numpy(fmt, M, O, I):
     x = RNG.normal(0, 1, (M, I)).astype(np.float32)
     qw = w if fmt == "fp32" else quant.quantize(w, fmt)
     got = np.full((M, O), np.nan, dtype=np.float32)
-    panels.linear_panels(kernel_weight(qw), x, got)
+    panels.linear_panels(kernel_weight(qw.as_q4_1 if fmt == "q4_k" else qw), x, got)   # (q4_k: dispatch's bridge)
     np.testing.assert_allclose(got, NumpyOps.linear(x, qw), atol=2e-5 * np.sqrt(I), rtol=1e-5)
 
 
@@ -75,7 +75,7 @@ def test_quantize_rows_rounds_exactly_as_numpy(I):
 
 @pytest.mark.parametrize("int_dots", [pytest.param(True, marks=pytest.mark.skipif(
     not intdot.INT_DOTS, reason="this CPU has neither AVX-512 VNNI nor AVX2")), False])
-@pytest.mark.parametrize("fmt", KERNEL_FORMATS)
+@pytest.mark.parametrize("fmt", KERNEL_FORMATS + ("q4_k",))
 # blocks: 3 (a pair, an odd one), 8 (fours), 9 (fours, an odd one), 10 (fours, a pair), 11 (all three): dot_q4's groups
 @pytest.mark.parametrize("I", [96, 256, 288, 320, 352])
 def test_integer_kernels_match_the_float_kernels_on_rounded_inputs(fmt, I, int_dots):
@@ -88,6 +88,7 @@ def test_integer_kernels_match_the_float_kernels_on_rounded_inputs(fmt, I, int_d
     got, want = np.empty((5, 67), np.float32), np.empty((5, 67), np.float32)
     xr = lin.round_rows(x)
     integer, floats = ((q4_kernels.linear_q4_a8, q4_kernels.linear_q4) if fmt == "q4_1"
+                       else (kquant_kernels.linear_q4k_a8, kquant_kernels.linear_q4k) if fmt == "q4_k"
                        else (lin.linear_int8_a8, lin.linear_tiled))
     integer(kernel_weight(qw), x, got, int_dots)
     floats(kernel_weight(qw), xr, want)

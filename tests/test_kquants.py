@@ -191,14 +191,21 @@ def test_file_runs_dequantized_natively_and_requantized(kquant_file):
     assert np.abs(int8.logits(ids) - expected).max() < 0.05 * np.abs(expected).max()
 
 
-def test_q4_k_on_the_numba_backend_matches_numpy(kquant_file):
-    """The kernels run q4_k as the Q4_1 arrays it equals: the numpy backend's logits up to summation order."""
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_q4_k_on_the_numba_backend_matches_numpy(kquant_file, activations):
+    """The kernels read q4_k's super-blocks (a prompt's pass, op by op; decode steps, the fused block): the numpy
+    backend's logits up to summation order, with either activations setting."""
     path, _ = kquant_file
     ids = [1, 72, 101, 108, 108, 111]
-    plain = tinyllm.load(path, quant="q4_k", backend="numpy")
-    fast = tinyllm.load(path, quant="q4_k")
+    plain = tinyllm.load(path, quant="q4_k", backend="numpy", activations=activations)
+    fast = tinyllm.load(path, quant="q4_k", activations=activations)
     assert isinstance(fast.layers[0].w_in, quant.Q4KBlock)
     np.testing.assert_allclose(fast.logits(ids), plain.logits(ids), atol=2e-4)
+    caches = plain.new_cache(16), fast.new_cache(16)
+    for model, cache in zip((plain, fast), caches):
+        model.prefill(ids[:-1], cache)
+    np.testing.assert_allclose(fast.decode_step(ids[-1], caches[1]), plain.decode_step(ids[-1], caches[0]),
+                               atol=2e-4)
 
 
 @pytest.mark.parametrize("cols", [576, 608])
@@ -218,7 +225,7 @@ def test_native_q4_k_kernel_matches_its_numpy_twin(cols):
         linear_q4k_a8(w.arrays, x, out, intdot.USE_INT_DOTS)
         expected = NumpyOps.linear(x, w, int8_inputs=True)                        # [rows, 40]
         np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
-        linear_q4_a8(kernel_weight(w), x, bridge, intdot.USE_INT_DOTS)            # the Q4_1 arrays it equals
+        linear_q4_a8(kernel_weight(w.as_q4_1), x, bridge, intdot.USE_INT_DOTS)    # the Q4_1 arrays it equals
         # the same products and sums; fastmath may order a float sum differently in each compile (seen: 1 ulp)
         np.testing.assert_allclose(out, bridge, rtol=1e-6, atol=1e-6 * np.abs(bridge).max())
 

@@ -121,7 +121,7 @@ class Q4KBlock(QuantizedWeight):
     """llama.cpp's Q4_K: 4-bit values as Q4_1's, but the scale and the minimum of each block of 32 are 6-bit
     integers, multiples of two fp16 numbers d and dmin shared by a super-block of 8 blocks (256 values). 4.5 + 1.5
     bits of scales per 32 values, not Q4_1's 32: the same 4-bit values in 0.59 bytes per weight instead of 0.75.
-    The Numba kernels run it as the Q4_1 arrays it equals (`as_q4_1`) until they read super-blocks themselves."""
+    The Numba kernels read it as it is (kernels/kquant_kernels.py)."""
 
     packed: np.ndarray  # [O, I/2] uint8, Q4_1's nibble order within each block of 32
     scales: np.ndarray  # [O, I/32] uint8 in [0, 63]: block b's scale is d[b // 8] * scales[b]

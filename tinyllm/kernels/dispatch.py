@@ -30,7 +30,8 @@ from . import blas, intdot
 from .attention_kernels import decode_attention, paged_decode_attention
 from .kv_formats import kernel_operands
 from .kv_rows import row_shape_of
-from .kquant_kernels import linear_q6k, linear_q6k_a8, q6k_a8_task, q6k_rows_task
+from .kquant_kernels import (as_q4_weight, linear_q4k, linear_q4k_a8, linear_q6k, linear_q6k_a8, q4k_a8_task,
+                             q4k_rows_task, q6k_a8_task, q6k_rows_task)
 from .linear_kernels import (OUT_BLOCK, TILE_MIN_ROWS, int8_a8_task, linear_int8_a8, linear_rows, linear_tiled, n_tasks,
                              quantize_rows, round_rows, rows_task)
 from .panel_kernels import PANEL_MIN_ROWS, PANELS_FOR_INT8, linear_integer_panels, linear_panels
@@ -38,7 +39,8 @@ from .q4_kernels import linear_q4, linear_q4_a8, q4_a8_task, q4_inputs, q4_rows_
 from .q5_kernels import linear_q5, linear_q5_a8, linear_q5_panels, q5_a8_task, q5_rows_task
 from .pointwise import swiglu_into, swiglu_rows_into
 from .prefill_attention import tiled_causal_attention
-from .weight_formats import INT8, QUANTIZED, Float32Weight, Q4Weight, Q5Weight, Q6KWeight, kernel_weight, typed_as
+from .weight_formats import (INT8, QUANTIZED, Float32Weight, Q4KWeight, Q4Weight, Q5Weight, Q6KWeight, kernel_weight,
+                             typed_as)
 
 SMALL_M = 128     # up to this many rows the Numba linears beat BLAS (docs/design/kernels.md)
 FEW_TOKENS = 16   # up to this many query tokens attention splits over positions (decode, verification)
@@ -65,6 +67,12 @@ def linear_into(w, x, out, int8_inputs: bool, int_dots: bool) -> None:
     (the fused block) get the overload below: the same rule, specialised to the format when they compile, for
     their at most FEW_TOKENS rows (a block compiles no integer tile: 8-bit weights from TILE_MIN_ROWS take the float
     tiles)."""
+    if isinstance(w, Q4KWeight):     # Q4_K's super-blocks where few rows read them, else the Q4_1 arrays they equal
+        if int8_inputs and x.shape[0] < (Q4_INTEGER_TILES_FROM if intdot.USE_INT_DOTS else TILE_MIN_ROWS):
+            return linear_q4k_a8(w, x, out, int_dots)
+        if not int8_inputs and x.shape[0] < TILE_MIN_ROWS:
+            return linear_q4k(w, x, out)
+        w = as_q4_weight(w)
     few, many, integer = ((linear_q4, linear_q4, linear_q4_a8) if isinstance(w, Q4Weight)
                           else (linear_q6k, linear_q6k, linear_q6k_a8) if isinstance(w, Q6KWeight)   # (no tiles)
                           else (linear_q5, linear_q5, linear_q5_a8) if isinstance(w, Q5Weight)       # (no tiles)
@@ -87,6 +95,8 @@ def linear_into(w, x, out, int8_inputs: bool, int_dots: bool) -> None:
 def _linear_into_typed(w, x, out, int8_inputs, int_dots):
     if typed_as(w, Q4Weight):                                           # 4-bit: one kernel for any M
         few, many, integer = linear_q4, linear_q4, linear_q4_a8
+    elif typed_as(w, Q4KWeight):                                        # Q4_K: the same, on its super-blocks
+        few, many, integer = linear_q4k, linear_q4k, linear_q4k_a8
     elif typed_as(w, Q6KWeight):                                        # Q6_K: the same
         few, many, integer = linear_q6k, linear_q6k, linear_q6k_a8
     elif typed_as(w, Q5Weight):                                         # Q5_0: the same
@@ -100,7 +110,7 @@ def _linear_into_typed(w, x, out, int8_inputs, int_dots):
         else:
             many(w, x, out)
 
-    row_dots_below = Q4_INTEGER_TILES_FROM if typed_as(w, (Q4Weight, Q5Weight)) else TILE_MIN_ROWS
+    row_dots_below = Q4_INTEGER_TILES_FROM if typed_as(w, (Q4Weight, Q4KWeight, Q5Weight)) else TILE_MIN_ROWS
 
     def rounded(w, x, out, int8_inputs, int_dots):                       # quantized weights, int8 activations
         if x.shape[0] < row_dots_below:
@@ -131,26 +141,30 @@ def linear_share(w, x, out, int8_inputs: bool, int_dots: bool, tid: int, n: int)
     O = w[0].shape[0]
     first, end = thread_share(n_tasks(O), tid, n)
     four_bit, int8, six_bit = isinstance(w, Q4Weight), isinstance(w, INT8), isinstance(w, Q6KWeight)
-    five_bit = isinstance(w, Q5Weight)
-    if int8_inputs and (four_bit or five_bit):
+    five_bit, k_four_bit = isinstance(w, Q5Weight), isinstance(w, Q4KWeight)
+    if int8_inputs and (four_bit or five_bit or k_four_bit):
         xq, _, xs = quantize_rows(x)
         xg, scales, sums = q4_inputs(xq, xs, int_dots)
     elif int8_inputs and (int8 or six_bit):
         xq, xstart, xs = quantize_rows(x)
-    elif four_bit:
-        xlo, xhi, xsum = split_halves(x, w.d.shape[1])
+    elif four_bit or k_four_bit:
+        xlo, xhi, xsum = split_halves(x, w[1].shape[1])
     for task in range(first, end):
         o0, o1 = task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK)
         if int8_inputs and four_bit:
             q4_a8_task(w, xq, xs, xg, scales, sums, out, o0, o1, int_dots)
         elif int8_inputs and five_bit:
             q5_a8_task(w, xq, xs, xg, scales, sums, out, o0, o1, int_dots)
+        elif int8_inputs and k_four_bit:
+            q4k_a8_task(w, xq, xs, xg, scales, sums, out, o0, o1, int_dots)
         elif int8_inputs and int8:
             int8_a8_task(w, xq, xstart, xs, out, o0, o1, int_dots)
         elif int8_inputs and six_bit:
             q6k_a8_task(w, xq, xstart, xs, out, o0, o1, int_dots)
         elif four_bit:
             q4_rows_task(w, xlo, xhi, xsum, out, o0, o1, 0)
+        elif k_four_bit:
+            q4k_rows_task(w, xlo, xhi, xsum, out, o0, o1)
         elif six_bit:
             q6k_rows_task(w, x, out, o0, o1)
         elif five_bit:
@@ -183,6 +197,20 @@ def _linear_share_typed(w, x, out, int8_inputs, int_dots, tid, n):
                 q4_a8_task(w, xq, xs, xg, scales, sums, out, task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK),
                            int_dots)
         return q4_a8
+    if typed_as(w, Q4KWeight):
+        def q4k(w, x, out, int8_inputs, int_dots, tid, n):
+            O, first, end = tasks(w, tid, n)
+            if rounded:
+                xq, _, xs = quantize_rows(x)
+                xg, scales, sums = q4_inputs(xq, xs, int_dots)
+                for task in range(first, end):
+                    q4k_a8_task(w, xq, xs, xg, scales, sums, out, task * OUT_BLOCK,
+                                min(O, task * OUT_BLOCK + OUT_BLOCK), int_dots)
+            else:
+                xlo, xhi, xsum = split_halves(x, w[1].shape[1])
+                for task in range(first, end):
+                    q4k_rows_task(w, xlo, xhi, xsum, out, task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK))
+        return q4k
     if typed_as(w, Q5Weight):
         def q5(w, x, out, int8_inputs, int_dots, tid, n):
             O, first, end = tasks(w, tid, n)

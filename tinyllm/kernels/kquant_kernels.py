@@ -14,13 +14,13 @@ block's scale and minimum are made from their 6-bit integers on the way:
 With the vector dots, `dot_q4k` is intdot.four_bit_dot with those scales and minimums made in registers per group
 of blocks; the reference path expands a task's scales into a scratch of Q4_1's form and runs Q4_1's task on them.
 Both give the numbers of the Q4_1 arrays a Q4KBlock equals (to the last bit or so: fastmath may order a sum
-differently in each compile), from 0.6 bytes a weight instead of 0.75.
-Not wired into dispatch.py or the fused block: a model still runs a Q4KBlock as those Q4_1 arrays
-(weight_formats.kernel_weight). One row, one thread, fused against the Q4_1 arrays (ms, VNNI): 4096 x 4096 0.37 /
-0.45 (fewer bytes from memory), but 576 x 1536 0.0227 / 0.0212 and 1536 x 576 0.0273 / 0.0228 (in cache, the
-conversions cost what the vector dot does); AVX2 alike. The faster design is ggml's: round the activations with
-one scale per 256 (Q8_K), so that a super-block's 8 blocks add up in integers, sum_b scales[b] * isum[b], and take
-two float multiplies per 256 values. Left out: float inputs, tiles for many input rows.
+differently in each compile), from 0.6 bytes a weight instead of 0.75. dispatch.py runs a Q4KWeight on these for
+the rows of a decode step (`linear_q4k_a8`; `linear_q4k` for float inputs, each task's rows made into Q4_1's arrays in
+a scratch) and hands the tiles of a prompt chunk the whole Q4_1 arrays, made per call (`as_q4_weight`). In cache the
+fused dot is a little slower than the Q4_1 arrays' (576 x 1536, one row, one thread: 0.0227 against 0.0212 ms: the
+conversions cost what the vector dot does); from memory, where decode reads its weights, it is faster (4096 x 4096:
+0.37 against 0.45). A faster design is ggml's: round the activations with one scale per 256 (Q8_K), so that a
+super-block's 8 blocks add up in integers, sum_b scales[b] * isum[b], and take two float multiplies per 256 values.
 """
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ from ..quant import BLOCK, SUPER
 from .intdot import HAVE_AVX2, HAVE_VNNI, INT_DOTS, q4_group
 from .linear_kernels import OUT_BLOCK, n_tasks, quantize_rows
 from .numerics import PARALLEL, SERIAL
-from .q4_kernels import last_block_sums, q4_a8_task, q4_inputs
+from .q4_kernels import last_block_sums, q4_a8_task, q4_inputs, q4_rows_task, split_halves
+from .weight_formats import Q4Weight
 
 
 @njit(**SERIAL)
@@ -105,8 +106,7 @@ if INT_DOTS:       # the fused dot: intdot's 4-bit row dot, each group's scales 
 @njit(**SERIAL)
 def q4k_a8_task(w, xq, xs, xg, xscales, sums, out, o0, o1, int_dots):
     """linear_q4k_a8's rows o0 .. o1-1. With int_dots, dot_q4k per row (an odd last block after, as Q4_1's task
-    adds it). Else their blocks' scales and minimums made from the 6-bit integers into a small scratch (OUT_BLOCK
-    rows: it stays in L1), then q4_kernels.q4_a8_task on those rows with intdot's reference bodies."""
+    adds it). Else q4_kernels.q4_a8_task with intdot's reference bodies on those rows' Q4_1 arrays (q4_rows)."""
     packed, scales, mins, d, dmin = w
     if int_dots:
         for m in range(xq.shape[0]):
@@ -122,6 +122,15 @@ def q4k_a8_task(w, xq, xs, xg, xscales, sums, out, o0, o1, int_dots):
                     isum, xsum = last_block_sums(packed, o, xq, m, last)
                     out[m, o] += xs[m, last] * (scale * np.float32(isum) - minimum * np.float32(xsum))
         return
+    q4_a8_task(q4_rows(w, o0, o1), xq, xs, xg, xscales, sums, out[:, o0:o1], 0, o1 - o0, int_dots)
+
+
+@njit(**SERIAL)
+def q4_rows(w, o0, o1):
+    """Rows o0 .. o1-1 of a Q4KWeight as the Q4Weight arrays they equal: the nibbles shared, each block's scale
+    d[b // 8] * scales[b] and minimum -(dmin[b // 8] * mins[b]) made into a small scratch (OUT_BLOCK rows: it
+    stays in L1). -> (packed, d, mins) of o1 - o0 rows"""
+    packed, scales, mins, d, dmin = w
     nb = scales.shape[1]
     block_d = np.empty((o1 - o0, nb), np.float32)                   # [rows, I/32] d * scale, as ggml rounds it
     block_m = np.empty((o1 - o0, nb), np.float32)                   # [rows, I/32] -(dmin * min)
@@ -129,7 +138,31 @@ def q4k_a8_task(w, xq, xs, xg, xscales, sums, out, o0, o1, int_dots):
         for b in range(nb):
             block_d[o - o0, b] = d[o, b // SUPER] * np.float32(scales[o, b])
             block_m[o - o0, b] = -(dmin[o, b // SUPER] * np.float32(mins[o, b]))
-    q4_a8_task((packed[o0:o1], block_d, block_m), xq, xs, xg, xscales, sums, out[:, o0:o1], 0, o1 - o0, int_dots)
+    return packed[o0:o1], block_d, block_m
+
+
+def as_q4_weight(w) -> Q4Weight:
+    """A whole Q4KWeight as the Q4Weight it equals (quant.Q4KBlock.as_q4_1's numbers): for the kernels that read
+    Q4_1's arrays only, the tiles of many input rows, at the price of 0.19 bytes a weight of scratch per call."""
+    packed, scales, mins, d, dmin = w
+    sup = np.arange(scales.shape[1]) // SUPER                       # [I/32] the super-block of each block
+    return Q4Weight(packed, d[:, sup] * scales, -(dmin[:, sup] * mins))
+
+
+@njit(**SERIAL)
+def q4k_rows_task(w, xlo, xhi, xsum, out, o0, o1):
+    """linear_q4k's rows o0 .. o1-1: q4_kernels.q4_rows_task on those rows' Q4_1 arrays (q4_rows)."""
+    q4_rows_task(q4_rows(w, o0, o1), xlo, xhi, xsum, out[:, o0:o1], 0, o1 - o0, 0)
+
+
+@njit(**PARALLEL)
+def linear_q4k(w, x, out):
+    """w: a Q4KWeight [O, I]; x [M, I] float32 -> out [M, O] (float inputs: the float activations setting, and rows
+    of int8 inputs past the integer dots in the fused block, rounded first), as q4_kernels.linear_q4's rows."""
+    xlo, xhi, xsum = split_halves(x, w[1].shape[1])
+    O = w[0].shape[0]
+    for task in prange(n_tasks(O)):
+        q4k_rows_task(w, xlo, xhi, xsum, out, task * OUT_BLOCK, min(O, task * OUT_BLOCK + OUT_BLOCK))
 
 
 @njit(**PARALLEL)

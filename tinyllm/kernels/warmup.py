@@ -35,7 +35,7 @@ from .spin_barrier import new_state
 from .weight_formats import kernel_weight
 
 FORMATS = {np.ndarray: None, Int8Channel: "int8", Int8Block: "int8-block", Q4Block: "q4_1",
-           Q4KBlock: "q4_1", Q5Block: "q5_0", Q6KBlock: "q6_k"}   # (q4_k runs on the Q4_1 kernels: weight_formats.kernel_weight)
+           Q4KBlock: "q4_k", Q5Block: "q5_0", Q6KBlock: "q6_k"}
 NOTICE_AFTER_S = 1.0    # loading every kernel from the cache takes well under this; compiling takes seconds
 HELPER_TIMEOUT_S = 600  # a second process compiling the plain blocks: given up on (and done here) after this
 _threaded_helper = None  # the second process compiling threaded blocks, if this process started one

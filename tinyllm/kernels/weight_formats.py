@@ -9,12 +9,15 @@
     Q5Weight(packed, d, high)        packed as Q4Weight's, d [O, I/32] float32, high [O, I/32] uint32 (Q5_0's
                                      fifth bits, bit j for value j of the block): W[o, i] = d[o, i // 32] *
                                      (q[o, i] + 16 * bit i % 32 of high[o, i // 32] - 16)
+    Q4KWeight(packed, scales, mins,  packed as Q4Weight's, scales, mins [O, I/32] uint8 (6-bit), d, dmin [O, I/256
+              d, dmin)               rounded up] float32 (Q4_K's super-blocks of 8 blocks): W[o, i] = d[o, i // 256]
+                                     * scales[o, i // 32] * q[o, i] - dmin[o, i // 256] * mins[o, i // 32]
     Q6KWeight(q, scale)              q [O, I] int8, scale [O, I/32, 2] float32 (Q6_K's scale per 16 values):
                                      W[o, i] = scale[o, i // 32, i % 32 // 16] * q[o, i]
 
 The names are quant.py's format names ("int8", "int8-block", "q4_1"), whose dataclasses hold the same arrays;
-`kernel_weight` turns those (or a float32 array) into these; a "q4_k" weight runs as the Q4Weight it equals, a file's
-Q5_0 (quant.Q5Block) as a Q5Weight, its Q6_K (quant.Q6KBlock) as a Q6KWeight. Numba compiles a named tuple as a tuple of its arrays,
+`kernel_weight` turns those (or a float32 array) into these: a "q4_k" weight (quant.Q4KBlock) as a Q4KWeight, a
+file's Q5_0 (quant.Q5Block) as a Q5Weight, its Q6_K (quant.Q6KBlock) as a Q6KWeight. Numba compiles a named tuple as a tuple of its arrays,
 with the class in its type (`instance_class`), so a kernel is specialised to the format when it compiles: Python
 code asks `isinstance(w, Q4Weight)`, typing code (an @overload's typing function) `typed_as(w, Q4Weight)`.
 The fused decode block (block.py) is handed plain tuples, `tuple(w)`, and names them itself (`named`): Numba's
@@ -60,23 +63,29 @@ class Q5Weight(NamedTuple):
     high: np.ndarray        # [O, I/32] uint32, the fifth bits of a block's 32 values
 
 
+class Q4KWeight(NamedTuple):
+    packed: np.ndarray      # [O, I/2] uint8, two 4-bit values a byte
+    scales: np.ndarray      # [O, I/32] uint8 in [0, 63], a block's scale in units of its super-block's d
+    mins: np.ndarray        # [O, I/32] uint8 in [0, 63], a block's minimum in units of dmin
+    d: np.ndarray           # [O, I/256 rounded up] float32, one per super-block of 8 blocks
+    dmin: np.ndarray        # [O, I/256 rounded up] float32
+
+
 class Q6KWeight(NamedTuple):
     q: np.ndarray           # [O, I] int8 in [-32, 31]
     scale: np.ndarray       # [O, I/32, 2] float32, one per 16 values
 
 
 INT8 = (Int8Weight, Int8BlockWeight)
-QUANTIZED = (Int8Weight, Int8BlockWeight, Q4Weight, Q5Weight, Q6KWeight)
-_FROM_QUANT = {Int8Channel: Int8Weight, Int8Block: Int8BlockWeight, Q4Block: Q4Weight, Q5Block: Q5Weight,
-               Q6KBlock: Q6KWeight}
+QUANTIZED = (Int8Weight, Int8BlockWeight, Q4Weight, Q4KWeight, Q5Weight, Q6KWeight)
+_FROM_QUANT = {Int8Channel: Int8Weight, Int8Block: Int8BlockWeight, Q4Block: Q4Weight, Q4KBlock: Q4KWeight,
+               Q5Block: Q5Weight, Q6KBlock: Q6KWeight}
 
 
-def kernel_weight(w) -> Float32Weight | Int8Weight | Int8BlockWeight | Q4Weight | Q5Weight | Q6KWeight:
+def kernel_weight(w) -> Float32Weight | Int8Weight | Int8BlockWeight | Q4Weight | Q4KWeight | Q5Weight | Q6KWeight:
     """A weight (a float32 [O, I] array or a quant.QuantizedWeight) as the named tuple the compiled code takes."""
     if isinstance(w, np.ndarray):
         return Float32Weight(w)
-    if isinstance(w, Q4KBlock):   # no kernel reads super-blocks yet: the Q4_1 arrays it equals (exactly)
-        w = w.as_q4_1
     return _FROM_QUANT[type(w)](*w.arrays)
 
 
@@ -85,18 +94,18 @@ def named(w):
     (the first array's dtype, and for int8 whether the scales are per row or per block)."""
     if isinstance(w, (Float32Weight,) + QUANTIZED):
         return w
-    return _format_of(w[0].dtype, w[-1].dtype, w[-1].ndim)(*w)
+    return _format_of(len(w), w[0].dtype, w[-1].dtype, w[-1].ndim)(*w)
 
 
-def _format_of(dtype, last_dtype, scale_ndim: int):
+def _format_of(n_arrays: int, dtype, last_dtype, scale_ndim: int):
     """The format of a plain tuple of weight arrays, by its first array's dtype and its last array's dtype (4-bit
-    values: minimums, or Q5_0's fifth bits) and rank (int8 values: scales per row, per block of 32, or per half
-    block)."""
+    values: minimums, or Q5_0's fifth bits; five arrays: Q4_K's) and rank (int8 values: scales per row, per block of
+    32, or per half block)."""
     name = str(dtype)
     if name == "float32":
         return Float32Weight
     if name == "uint8":
-        return Q5Weight if str(last_dtype) == "uint32" else Q4Weight
+        return Q4KWeight if n_arrays == 5 else Q5Weight if str(last_dtype) == "uint32" else Q4Weight
     if name == "int8":
         return {1: Int8Weight, 2: Int8BlockWeight, 3: Q6KWeight}[scale_ndim]
     raise TypeError(f"no weight format has {name} values")
@@ -107,13 +116,15 @@ def _named_typed(w):
     if isinstance(w, types.BaseNamedTuple):
         return lambda w: w
     first, last = w[0], w[len(w) - 1]
-    cls = _format_of(first.dtype, last.dtype, last.ndim)
+    cls = _format_of(len(w), first.dtype, last.dtype, last.ndim)
     if cls is Float32Weight:
         return lambda w: Float32Weight(w[0])
     if cls is Q4Weight:
         return lambda w: Q4Weight(w[0], w[1], w[2])
     if cls is Q5Weight:
         return lambda w: Q5Weight(w[0], w[1], w[2])
+    if cls is Q4KWeight:
+        return lambda w: Q4KWeight(w[0], w[1], w[2], w[3], w[4])
     return lambda w: cls(w[0], w[1])
 
 
