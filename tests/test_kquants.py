@@ -55,10 +55,13 @@ def test_q4_k_file_blocks_repack_exactly():
 
 
 def test_q6_k_file_blocks_repack_exactly():
-    """A file's Q6_K blocks kept natively (int8 values, a float32 scale per 16): ggml's values, bit for bit."""
+    """A file's Q6_K blocks kept natively (its bytes made planar): ggml's values, bit for bit, in 0.83 bytes a
+    weight."""
     raw = random_blocks("Q6_K", 3 * 3, np.random.default_rng(7)).reshape(3, -1)     # 3 rows of 768
     qw = quant.from_gguf_block(raw.ravel(), "Q6_K", (3, 768))
-    assert isinstance(qw, quant.Q6KBlock) and qw.q.min() >= -32 and qw.q.max() <= 31
+    assert isinstance(qw, quant.Q6KBlock) and qw.shape == (3, 768)
+    assert qw.values().min() == -32 and qw.values().max() == 31
+    assert qw.nbytes == raw.nbytes + 2 * 3 * 3                                       # (d widened to float32)
     expected = reference(raw, "Q6_K")
     assert_bits_equal(qw.dequantize(), expected)
     assert_bits_equal(qw.take_rows(np.array([2, 0])).dequantize(), expected[[2, 0]])
@@ -76,21 +79,24 @@ def test_q6_k_dot_matches_its_reference_body(isa):
         pytest.skip(f"no {isa} on this CPU")
     rng = np.random.default_rng(8)
     qw = quant.from_gguf_block(random_blocks("Q6_K", 4 * 2, rng, scale=0.01).ravel(), "Q6_K", (4, 512))
-    qw.q[0], qw.q[1] = -32, 31                                                      # extreme rows
+    qw.low[0], qw.high[0] = 0, 0                                                    # extreme rows: every value -32
+    qw.low[1], qw.high[1] = 0xFF, 0xFF                                              # and 31
     x = rng.normal(0, 1, (1, 512)).astype(np.float32)
     x[0, ::2] = 100.0                                                               # rounded to +-127
     xq, xstart, xs = quantize_rows(x)
 
     def rows(dot):
         @njit
-        def each(q, scale, xq, xstart, xs):
-            out = np.empty(q.shape[0], np.float32)
-            for o in range(q.shape[0]):
-                out[o] = dot(q, o, scale, xq, xstart, xs)
+        def each(low, high, scales, d, xq, xstart, xs):
+            out = np.empty(low.shape[0], np.float32)
+            for o in range(low.shape[0]):
+                out[o] = dot(low, high, scales, d, o, xq, xstart, xs)
             return out
-        return each(qw.q, qw.scale, xq[0], xstart[0], xs[0])
+        return each(*qw.arrays, xq[0], xstart[0], xs[0])
     got, want = rows(dots[isa]), rows(kquant_kernels.dot_q6k_reference)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    exact = (qw.dequantize() * np.repeat(xs[0], 32)) @ xq[0].astype(np.float32)      # the plain body's meaning
+    np.testing.assert_allclose(want, exact, rtol=1e-5, atol=1e-5 * np.abs(exact).max())
 
 
 def test_q6_k_kernels_match_their_numpy_twin():
@@ -100,7 +106,7 @@ def test_q6_k_kernels_match_their_numpy_twin():
     from tinyllm.kernels import dispatch
     rng = np.random.default_rng(9)
     qw = quant.from_gguf_block(random_blocks("Q6_K", 40 * 3, rng, scale=0.002).ravel(), "Q6_K", (40, 768))
-    for rows in (1, 3, 20):                                    # one-row and tiled sizes; a prompt chunk's
+    for rows in (1, 3, 9, 20):                                 # row dots (to 16 rows); a prompt chunk's
         x = rng.normal(0, 1, (rows, 768)).astype(np.float32)
         for int8_inputs in (True, False):
             expected = NumpyOps.linear(x, qw, int8_inputs=int8_inputs)                # [rows, 40]

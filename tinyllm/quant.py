@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .kquants import f16, k4_scales, k4_values, q6_k_scales, q6_k_values
+from .kquants import f16, k4_scales, k4_values
 
 BLOCK = 32
 SUPER = 8   # q4_k: blocks of 32 per super-block (256 values, as ggml's QK_K)
@@ -155,21 +155,42 @@ class Q4KBlock(QuantizedWeight):
 
 @dataclass(repr=False)
 class Q6KBlock(QuantizedWeight):
-    """llama.cpp's Q6_K (the 6-bit type of Q4_K_M files: their output head, some ffn_down) as the kernels read it:
-    its 6-bit values as whole numbers, and each sub-block of 16 values' scale, d * its 8-bit scale, as the float32
-    ggml computes. 1.25 bytes a weight where the file spends 0.82, the price of the int8 dot products."""
+    """llama.cpp's Q6_K (the 6-bit type of Q4_K_M files: some ffn_down, and the output head of models without a tied
+    one) as the file holds it, made planar: W = d * scale * (q - 32), q in [0, 63], per super-block of 256 values
+    one fp16 d (widened to float32), per 16 values an 8-bit scale. Within a super-block each half of 128 values
+    has 64 bytes of low 4 bits and 32 bytes of high 2 bits: byte l of the low ones holds values l (low nibble) and
+    l + 64 (high), byte l + 32 values l + 32 and l + 96; bits 2k, 2k+1 of high byte l belong to value l + 32k. Those
+    are ggml's places, chosen so that a vector of 32 bytes yields 32 values with one shift and one mask each
+    (kernels/kquant_kernels.py). 0.83 bytes a weight (the file: 0.82)."""
 
-    q: np.ndarray       # [O, I] int8 in [-32, 31]
-    scale: np.ndarray   # [O, I/32, 2] float32: the scale of values 0-15 and of 16-31 of each block of 32
+    low: np.ndarray     # [O, I/2] uint8: the low 4 bits of each value, as above
+    high: np.ndarray    # [O, I/4] uint8: the high 2 bits, four values a byte
+    scales: np.ndarray  # [O, I/16] int8: each 16 values' scale, in units of d
+    d: np.ndarray       # [O, I/256] float32 (fp16 values)
 
     @property
     def shape(self):
-        return self.q.shape
+        return self.low.shape[0], self.low.shape[1] * 2
+
+    def values(self, rows=slice(None)) -> np.ndarray:
+        """q - 32, whole numbers in [-32, 31]. -> [o, I] int8"""
+        low, high = self.low[rows], self.high[rows]
+        o = low.shape[0]
+        a, b = low.reshape(o, -1, 2, 64)[..., :32], low.reshape(o, -1, 2, 64)[..., 32:]   # [o, I/256, 2, 32]
+        h = high.reshape(o, -1, 2, 32)                                                    # [o, I/256, 2, 32]
+        q = np.concatenate([(a & 15) | (h & 3) << 4, (b & 15) | (h >> 2 & 3) << 4,       # values 0-31, 32-63,
+                            a >> 4 | (h >> 4 & 3) << 4, b >> 4 | (h >> 6) << 4], axis=-1)  # 64-95, 96-127
+        return (q.astype(np.int8) - np.int8(32)).reshape(o, -1)
+
+    def sub_block_scales(self, rows=slice(None)) -> np.ndarray:
+        """d * scale of each 16 values, in float32 as ggml computes it. -> [o, I/16]"""
+        scales = self.scales[rows]
+        return (self.d[rows][:, :, None] * scales.reshape(scales.shape[0], -1, 16)).reshape(scales.shape)
 
     def dequantize(self, rows=slice(None)):
-        q = self.q[rows]
-        halves = q.reshape(q.shape[0], -1, 2, BLOCK // 2).astype(np.float32)         # [o, I/32, 2, 16]
-        return (self.scale[rows][..., None] * halves).reshape(q.shape)                # [o, I]
+        q = self.values(rows)
+        groups = q.reshape(q.shape[0], -1, 16).astype(np.float32)                         # [o, I/16, 16]
+        return (self.sub_block_scales(rows)[..., None] * groups).reshape(q.shape)          # [o, I]
 
 
 @dataclass(repr=False)
@@ -388,9 +409,10 @@ def from_gguf_block(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> 
         q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(O, I)
         return Int8Block(q, d)
     if type_name == "Q6_K":
-        blocks = raw.reshape(-1, 210)                                                # [O * I/256, 210 bytes]
-        scale = q6_k_scales(blocks).reshape(O, I // BLOCK, 2)                        # [O, I/32, 2]
-        return Q6KBlock(q6_k_values(blocks).reshape(O, I), scale)
+        blocks = raw.reshape(O, -1, 210)                                             # [O, I/256, 210 bytes]
+        part = lambda a, b: np.ascontiguousarray(blocks[..., a:b]).reshape(O, -1)   # noqa: E731
+        return Q6KBlock(part(0, 128), part(128, 192), part(192, 208).view(np.int8),
+                        f16(blocks.reshape(-1, 210), 208).reshape(O, -1))
     if type_name == "Q5_0":
         blocks = raw.reshape(-1, 22)                                                 # [O * I/32, 22 bytes]
         high = blocks[:, 2:6].copy().view("<u4").astype(np.uint32)                   # [O * I/32, 1]

@@ -7,7 +7,7 @@ twin in ops.py and a parity test (tests/test_kernels.py). The files, in the orde
     weight_formats.py     the weight formats the kernels take, as named tuples (Float32Weight, Q4Weight, ...)
     linear_kernels.py     a few rows times a weight: the task split, the input rounding, fp32 and int8 weights
     q4_kernels.py         the same for 4-bit (Q4_1) weights
-    kquant_kernels.py     a file's Q6_K (int8 values, a scale per 16); Q4_K's super-blocks
+    kquant_kernels.py     a file's Q6_K and Q4_K super-blocks, read as the file holds them
     panel_kernels.py      a prompt chunk's linears: weight rows prepared once as panels, products in register tiles
     isa.py                which instructions they compile for: the host's, or AVX2 forced (TINYLLM_ISA=avx2)
     intdot.py             integer dot products (AVX-512 VNNI or AVX2, LLVM IR), their written contract, plain twins

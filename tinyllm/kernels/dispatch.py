@@ -82,7 +82,8 @@ def linear_into(w, x, out, int8_inputs: bool, int_dots: bool) -> None:
         many = linear_panels                                             # a prompt chunk (int8: no AVX-512)
     rounded = int8_inputs and isinstance(w, QUANTIZED)
     tiles_from = integer_tiles_from(w)
-    row_dots_below = tiles_from if isinstance(w, (Q4Weight, Q5Weight)) and intdot.USE_INT_DOTS else TILE_MIN_ROWS
+    row_dots_below = (Q4_INTEGER_TILES_FROM if isinstance(w, (Q4Weight, Q5Weight, Q6KWeight)) and intdot.USE_INT_DOTS
+                      else TILE_MIN_ROWS)                                # (packed values: each row dot unpacks them)
     if rounded and x.shape[0] < row_dots_below:                          # a few rows: integer dot products
         integer(w, x, out, int_dots)
     elif rounded and intdot.USE_INT_DOTS and x.shape[0] >= tiles_from and x.shape[1] % BLOCK == 0 and not k_quant:
@@ -110,7 +111,8 @@ def _linear_into_typed(w, x, out, int8_inputs, int_dots):
         else:
             many(w, x, out)
 
-    row_dots_below = Q4_INTEGER_TILES_FROM if typed_as(w, (Q4Weight, Q4KWeight, Q5Weight)) else TILE_MIN_ROWS
+    row_dots_below = (Q4_INTEGER_TILES_FROM if typed_as(w, (Q4Weight, Q4KWeight, Q5Weight, Q6KWeight))
+                      else TILE_MIN_ROWS)
 
     def rounded(w, x, out, int8_inputs, int_dots):                       # quantized weights, int8 activations
         if x.shape[0] < row_dots_below:

@@ -1,8 +1,11 @@
-"""The K-quant kernels. Q6_K (the 6-bit type of Q4_K_M files) as a Q6KWeight (int8 values, a float32 scale per 16):
-`linear_q6k_a8` for a few rows of x rounded to int8 blocks, `linear_q6k` for float inputs; their numpy twin is the
-numpy backend's linear of the dequantized weight (rounding x first for int8 inputs). The int8 dot is intdot.py's
-dot_int8_block with a scale per half block: vpdpbusd's lanes 0-3 of a block sum its values 0-15 and lanes 4-7
-its values 16-31, so the two halves' scales go to their lanes; nothing else changes.
+"""The K-quant kernels, on the bytes of a Q4_K_M file's two K-quant types as it holds them.
+
+Q6_K (quant.Q6KBlock: 6-bit values in ggml's places, an 8-bit scale per 16, d per 256) times a few rows of x
+rounded to int8 blocks: `linear_q6k_a8`; `linear_q6k` for float inputs (each weight row dequantized once). Their
+numpy twin is the numpy backend's linear of the dequantized weight (rounding x first for int8 inputs). The vector
+dot (`dot_q6k`) takes half a super-block a step: the values as unsigned bytes q in [0, 63] (one shift and one mask
+per 32), the products summed by 4 into int32 lanes from -32 times the inputs' sums, so that each lane holds the
+dot of q - 32; each 4 lanes (16 values) scaled by their block's input scale times d * their scale.
 
 Q4_K's super-blocks read as they are (quant.Q4KBlock: 4-bit values, a 6-bit scale and minimum per block of 32,
 an fp16 d and dmin per 8 blocks) times a few rows of x rounded to int8 blocks: `linear_q4k_a8`. Its numpy twin is
@@ -178,19 +181,31 @@ def linear_q4k_a8(w, x, out, int_dots):
                     int_dots)
 
 
-# --- Q6_K: int8 values, a scale per 16 --------------------------------------------------------------------------
+# --- Q6_K: 6-bit values as the file holds them, a scale per 16 --------------------------------------------------
 @njit(**SERIAL)
-def dot_q6k_reference(q, o, scale, xq, xstart, xs):
-    """Row o of a Q6KWeight (q [O, I] int8, scale [O, I/32, 2]) times one input row rounded to int8 blocks (xq [I],
-    xs [I/32]; xstart as intdot's int8 dots take it, which only the vector version reads):
-    sum over blocks b and halves h of  xs[b] * scale[o, b, h] * (the integer dot of the half's 16 values)."""
+def q6k_value(low, high, o, i):
+    """Value i of row o of a Q6KWeight, q - 32 in [-32, 31] (quant.Q6KBlock's places: half of 128 values h, value
+    j of it in quarter k = j // 32 at l = j % 32: low nibble or high nibble (k >= 2) of low byte 64h + l (k even) or
+    64h + 32 + l (k odd), bits 2k, 2k+1 of high byte 32h + l)."""
+    h, j = i // 128, i % 128
+    k, l = j // 32, j % 32
+    byte = np.int32(low[o, 64 * h + 32 * (k % 2) + l])
+    four = (byte >> 4) if k >= 2 else (byte & 15)
+    two = (np.int32(high[o, 32 * h + l]) >> (2 * k)) & 3
+    return (four | (two << 4)) - 32
+
+
+@njit(**SERIAL)
+def dot_q6k_reference(low, high, scales, d, o, xq, xstart, xs):
+    """Row o of a Q6KWeight times one input row rounded to int8 blocks (xq [I], xs [I/32]; xstart as intdot's int8
+    dots take it, which only the vector version reads):
+    sum over groups g of 16 values of  xs[g // 2] * (d[o, g // 16] * scales[o, g]) * (their integer dot)."""
     acc = np.float32(0.0)
-    for b in range(scale.shape[1]):
-        for h in range(2):
-            isum = np.int32(0)
-            for j in range(b * BLOCK + 16 * h, b * BLOCK + 16 * h + 16):
-                isum += np.int32(q[o, j]) * np.int32(xq[j])
-            acc += np.float32(isum) * (xs[b] * scale[o, b, h])
+    for g in range(scales.shape[1]):
+        isum = np.int32(0)
+        for i in range(16 * g, 16 * g + 16):
+            isum += q6k_value(low, high, o, i) * np.int32(xq[i])
+        acc += np.float32(isum) * (xs[g // 2] * (d[o, g // 16] * np.float32(scales[o, g])))
     return acc
 
 
@@ -200,51 +215,61 @@ if INT_DOTS:       # the vector version, in the instructions of intdot.py's dots
     from numba import types
     from numba.extending import intrinsic
 
-    from .intdot import FAST, V16f32, f32, halves, i8, i32, joined, load, quad_sums, row_sum, structs
-    from .llvm_ir import call
+    from .intdot import FAST, V16f32, f32, i8, i32, joined, load, quad_sums, row_sum, structs
 
     def _q6k_dot_codegen(isa):
-        """dot_q6k: dot_int8_block's pairs of blocks (64 bytes of integer sums in 16 lanes, 4 lanes per 16 values),
-        each lane scaled by its block's input scale times its half block's weight scale. (A Q6_K row is whole
-        super-blocks of 8 blocks: no odd last block.)"""
+        """dot_q6k, a half super-block (128 values) a step: from 64 low bytes A, B and 32 high bytes H, the four
+        quarters' unsigned values q in [0, 63] are (A & 15) | (H << 4 & 48), (B & 15) | (H << 2 & 48),
+        A >> 4 | (H & 48), B >> 4 | (H >> 2 & 48) (ggml's layout: one shift and one mask a vector). Their products
+        with the int8 inputs sum by 4 into lanes (intdot.quad_sums, q unsigned as vpdpbusd and vpmaddubsw take it),
+        each lane starting from -32 times its inputs' sum (intdot's xstart / 4: -128 times that sum), so a lane
+        holds the dot of q - 32; 4 lanes make a group of 16, scaled by xs of its block times d * its scale."""
         def codegen(context, builder, signature, args):
-            a = structs(context, builder, signature, args, "q o scale xq xstart xs")
-            row = builder.gep(a["q"].data, [builder.mul(a["o"], builder.extract_value(a["q"].shape, 1))])
-            n_blocks = builder.extract_value(a["scale"].shape, 1)
-            two = ir.Constant(n_blocks.type, 2)
-            scale_row = builder.gep(a["scale"].data, [builder.mul(a["o"], builder.mul(n_blocks, two))])
+            a = structs(context, builder, signature, args, "low high scales d o xq xstart xs")
+            o = a["o"]
+            at = lambda name: builder.gep(a[name].data, [builder.mul(o, builder.extract_value(a[name].shape, 1))])  # noqa: E731
+            low, high, scales, d = at("low"), at("high"), at("scales"), at("d")
+            n_halves = builder.udiv(builder.extract_value(a["low"].shape, 1), ir.Constant(o.type, 64))
+            bytes32 = ir.VectorType(i8, 32)
+            k = lambda v: ir.Constant(bytes32, [v] * 32)                                 # noqa: E731
+            c = lambda v, i: builder.mul(i, ir.Constant(i.type, v))                      # noqa: E731
 
-            def blocks(first, size):                # blocks first .. first+size-1 -> <8*size x float> of terms
-                nbytes, lanes = BLOCK * size, 8 * size
-                bytes_type = ir.VectorType(i8, nbytes)
-                x_off = builder.mul(first, ir.Constant(first.type, BLOCK))
-                w, x = load(builder, row, x_off, bytes_type), load(builder, a["xq"].data, x_off, bytes_type)
-                if isa == "vnni":                   # w + 128 against x, from -128 times x's sums (intdot.py)
-                    start = load(builder, a["xstart"].data, builder.mul(first, ir.Constant(first.type, 8)),
-                                  ir.VectorType(i32, lanes))
-                    isum = quad_sums(builder, start, builder.xor(w, ir.Constant(bytes_type, [-128] * nbytes)), x,
-                                      isa)
-                else:                               # |w| against sign(w) * x
-                    sign = lambda v: joined(builder, [call(builder, "llvm.x86.avx2.psign.b", p.type, p, wp)  # noqa
-                                                       for p, wp in zip(halves(builder, v), halves(builder, w))])
-                    isum = quad_sums(builder, ir.Constant(ir.VectorType(i32, lanes), [0] * lanes), sign(w),
-                                      sign(x), isa)
+            def spread(v, each, lanes=16, first=0):    # <n x float> -> lanes, lane j = v[first + j // each]
+                order = ir.Constant(ir.VectorType(i32, lanes), [first + j // each for j in range(lanes)])
+                return builder.shuffle_vector(v, ir.Constant(v.type, ir.Undefined), order)
 
-                def spread(v, each):                # <n x float> -> each lane repeated `each` times
-                    order = ir.Constant(ir.VectorType(i32, lanes), [j // each for j in range(lanes)])
-                    return builder.shuffle_vector(v, ir.Constant(v.type, ir.Undefined), order)
-                xs = load(builder, a["xs"].data, first, ir.VectorType(f32, size))
-                ws = load(builder, scale_row, builder.mul(first, two), ir.VectorType(f32, 2 * size))
-                scale = builder.fmul(spread(xs, 8), spread(ws, 4), flags=FAST)
-                return builder.fmul(builder.sitofp(isum, ir.VectorType(f32, lanes)), scale, flags=FAST)
-            return row_sum(builder, builder.udiv(n_blocks, two), lambda i: blocks(builder.mul(i, two), 2), row,
-                            2 * BLOCK, V16f32)
+            def half(i):                               # values 128 i .. 128 i + 127 -> <16 x float> of terms
+                A, B = load(builder, low, c(64, i), bytes32), load(builder, low, builder.add(c(64, i), ir.Constant(
+                    i.type, 32)), bytes32)
+                H = load(builder, high, c(32, i), bytes32)
+                quarters = [builder.or_(builder.and_(A, k(15)), builder.and_(builder.shl(H, k(4)), k(48))),
+                            builder.or_(builder.and_(B, k(15)), builder.and_(builder.shl(H, k(2)), k(48))),
+                            builder.or_(builder.lshr(A, k(4)), builder.and_(H, k(48))),
+                            builder.or_(builder.lshr(B, k(4)), builder.and_(builder.lshr(H, k(2)), k(48)))]
+                group_scale = builder.fmul(                                               # d * scale, 8 groups
+                    spread(builder.insert_element(ir.Constant(ir.VectorType(f32, 1), ir.Undefined), builder.load(
+                        builder.gep(d, [builder.udiv(i, ir.Constant(i.type, 2))])), ir.Constant(i32, 0)), 8, 8),
+                    builder.sitofp(load(builder, scales, c(8, i), ir.VectorType(i8, 8)), ir.VectorType(f32, 8)))
+                xs = load(builder, a["xs"].data, c(4, i), ir.VectorType(f32, 4))            # the 4 blocks' scales
+                terms = None
+                for p in range(2):                     # quarters 2p, 2p+1: 64 values, 16 lanes
+                    x = load(builder, a["xq"].data, builder.add(c(128, i), ir.Constant(i.type, 64 * p)),
+                             ir.VectorType(i8, 64))
+                    start = load(builder, a["xstart"].data, builder.add(c(32, i), ir.Constant(i.type, 16 * p)),
+                                 ir.VectorType(i32, 16))
+                    start = builder.ashr(start, ir.Constant(start.type, [2] * 16))       # -32 times the sums
+                    isum = quad_sums(builder, start, joined(builder, quarters[2 * p:2 * p + 2]), x, isa)
+                    scale = builder.fmul(spread(xs, 8, first=2 * p), spread(group_scale, 4, first=4 * p), flags=FAST)
+                    term = builder.fmul(builder.sitofp(isum, V16f32), scale, flags=FAST)
+                    terms = term if terms is None else builder.fadd(terms, term, flags=FAST)
+                return terms
+            return row_sum(builder, n_halves, half, low, 64, V16f32)
         return codegen
 
     def _dot_in(isa):
         @intrinsic
-        def dot_q6k(typingctx, q, o, scale, xq, xstart, xs):
-            return types.float32(q, o, scale, xq, xstart, xs), _q6k_dot_codegen(isa)
+        def dot_q6k(typingctx, low, high, scales, d, o, xq, xstart, xs):
+            return types.float32(low, high, scales, d, o, xq, xstart, xs), _q6k_dot_codegen(isa)
         return dot_q6k
 
     # each instruction set the host has (the tests hold both to the reference body on a VNNI host)
@@ -255,15 +280,15 @@ if INT_DOTS:       # the vector version, in the instructions of intdot.py's dots
 @njit(**SERIAL)
 def q6k_a8_task(w, xq, xstart, xs, out, o0, o1, int_dots):
     """linear_q6k_a8's task: out[:, o0:o1], from quantize_rows' rounded rows."""
-    q, scale = w
+    low, high, scales, d = w
     for m in range(xq.shape[0]):
         q_m, start_m, s_m = xq[m], xstart[m], xs[m]
         if int_dots:                           # two loops with a constant each, so that neither carries a branch
             for o in range(o0, o1):
-                out[m, o] = dot_q6k(q, o, scale, q_m, start_m, s_m)
+                out[m, o] = dot_q6k(low, high, scales, d, o, q_m, start_m, s_m)
         else:
             for o in range(o0, o1):
-                out[m, o] = dot_q6k_reference(q, o, scale, q_m, start_m, s_m)
+                out[m, o] = dot_q6k_reference(low, high, scales, d, o, q_m, start_m, s_m)
 
 
 @njit(**PARALLEL)
@@ -280,13 +305,22 @@ def linear_q6k_a8(w, x, out, int_dots):
 def q6k_rows_task(w, x, out, o0, o1):
     """linear_q6k's rows o0 .. o1-1 against every input row: each weight row dequantized once (the values
     Q6KBlock.dequantize gives), then one plain dot product per input row."""
-    q, scale = w
-    I = q.shape[1]
+    low, high, scales, d = w
+    I = 2 * low.shape[1]
     row = np.empty(I, np.float32)                                   # [I] the weight row's values
+    q = np.empty(128, np.int32)                                     # [128] a half super-block's q - 32
     for o in range(o0, o1):
-        for b in range(scale.shape[1]):
-            for j in range(BLOCK):
-                row[b * BLOCK + j] = scale[o, b, j // 16] * np.float32(q[o, b * BLOCK + j])
+        for h in range(scales.shape[1] // 8):                       # each half super-block: q6k_value's places
+            for l in range(32):                                     # (loops of 32, so that they vectorise)
+                a, b, two = np.int32(low[o, 64 * h + l]), np.int32(low[o, 64 * h + 32 + l]), np.int32(high[o, 32 * h + l])
+                q[l] = ((a & 15) | ((two & 3) << 4)) - 32
+                q[32 + l] = ((b & 15) | (((two >> 2) & 3) << 4)) - 32
+                q[64 + l] = ((a >> 4) | (((two >> 4) & 3) << 4)) - 32
+                q[96 + l] = ((b >> 4) | (((two >> 6) & 3) << 4)) - 32
+            for g in range(8):
+                scale = d[o, h // 2] * np.float32(scales[o, 8 * h + g])
+                for j in range(16):
+                    row[128 * h + 16 * g + j] = scale * np.float32(q[16 * g + j])
         for m in range(x.shape[0]):
             acc = np.float32(0.0)
             for i in range(I):

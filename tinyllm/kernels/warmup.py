@@ -51,8 +51,9 @@ def _matrix(fmt: str | None, rows: int, cols: int = BLOCK):
     if fmt == "q5_0":
         return Q5Block(np.ones((rows, cols // 2), np.uint8), np.ones((rows, cols // BLOCK), np.float32),
                        np.ones((rows, cols // BLOCK), np.uint32))
-    if fmt == "q6_k":
-        return Q6KBlock(np.ones((rows, cols), np.int8), np.ones((rows, cols // BLOCK, 2), np.float32))
+    if fmt == "q6_k":       # (narrower than a super-block: no scales, so the kernels read nothing past cols)
+        return Q6KBlock(np.ones((rows, cols // 2), np.uint8), np.ones((rows, cols // 4), np.uint8),
+                        np.ones((rows, cols // 256), np.int8), np.ones((rows, cols // 256), np.float32))
     return w if fmt is None else quantize(w, fmt)
 
 

@@ -12,8 +12,9 @@
     Q4KWeight(packed, scales, mins,  packed as Q4Weight's, scales, mins [O, I/32] uint8 (6-bit), d, dmin [O, I/256
               d, dmin)               rounded up] float32 (Q4_K's super-blocks of 8 blocks): W[o, i] = d[o, i // 256]
                                      * scales[o, i // 32] * q[o, i] - dmin[o, i // 256] * mins[o, i // 32]
-    Q6KWeight(q, scale)              q [O, I] int8, scale [O, I/32, 2] float32 (Q6_K's scale per 16 values):
-                                     W[o, i] = scale[o, i // 32, i % 32 // 16] * q[o, i]
+    Q6KWeight(low, high, scales, d)  low [O, I/2], high [O, I/4] uint8 (Q6_K's 4 + 2 bits of each value q, in
+                                     ggml's places: quant.Q6KBlock), scales [O, I/16] int8, d [O, I/256] float32:
+                                     W[o, i] = d[o, i // 256] * scales[o, i // 16] * (q[o, i] - 32)
 
 The names are quant.py's format names ("int8", "int8-block", "q4_1"), whose dataclasses hold the same arrays;
 `kernel_weight` turns those (or a float32 array) into these: a "q4_k" weight (quant.Q4KBlock) as a Q4KWeight, a
@@ -72,8 +73,10 @@ class Q4KWeight(NamedTuple):
 
 
 class Q6KWeight(NamedTuple):
-    q: np.ndarray           # [O, I] int8 in [-32, 31]
-    scale: np.ndarray       # [O, I/32, 2] float32, one per 16 values
+    low: np.ndarray         # [O, I/2] uint8, the low 4 bits of two values a byte
+    high: np.ndarray        # [O, I/4] uint8, the high 2 bits of four values a byte
+    scales: np.ndarray      # [O, I/16] int8, one per 16 values, in units of d
+    d: np.ndarray           # [O, I/256] float32, one per super-block of 256 values
 
 
 INT8 = (Int8Weight, Int8BlockWeight)
@@ -98,16 +101,17 @@ def named(w):
 
 
 def _format_of(n_arrays: int, dtype, last_dtype, scale_ndim: int):
-    """The format of a plain tuple of weight arrays, by its first array's dtype and its last array's dtype (4-bit
-    values: minimums, or Q5_0's fifth bits; five arrays: Q4_K's) and rank (int8 values: scales per row, per block of
-    32, or per half block)."""
+    """The format of a plain tuple of weight arrays, by its first array's dtype, then for uint8 values their count
+    (five arrays: Q4_K's, four: Q6_K's) or the last array's dtype (Q5_0's fifth bits, or Q4_1's minimums), for int8
+    values the rank of the scales (per row, per block of 32)."""
     name = str(dtype)
     if name == "float32":
         return Float32Weight
     if name == "uint8":
-        return Q4KWeight if n_arrays == 5 else Q5Weight if str(last_dtype) == "uint32" else Q4Weight
+        return ({5: Q4KWeight, 4: Q6KWeight}.get(n_arrays) or (Q5Weight if str(last_dtype) == "uint32" else
+                                                                 Q4Weight))
     if name == "int8":
-        return {1: Int8Weight, 2: Int8BlockWeight, 3: Q6KWeight}[scale_ndim]
+        return {1: Int8Weight, 2: Int8BlockWeight}[scale_ndim]
     raise TypeError(f"no weight format has {name} values")
 
 
@@ -125,6 +129,8 @@ def _named_typed(w):
         return lambda w: Q5Weight(w[0], w[1], w[2])
     if cls is Q4KWeight:
         return lambda w: Q4KWeight(w[0], w[1], w[2], w[3], w[4])
+    if cls is Q6KWeight:
+        return lambda w: Q6KWeight(w[0], w[1], w[2], w[3])
     return lambda w: cls(w[0], w[1])
 
 
