@@ -84,7 +84,7 @@ def test_q5_dot_matches_its_reference_body(isa):
 @pytest.mark.parametrize("cols", [576, 96, 608])     # blocks: fours then a pair; a pair and an odd one; an odd one
 def test_q5_kernels_match_gguf_py_times_the_rounded_inputs(cols):
     """linear_q5_a8 (int8 inputs, vector dot and reference body), linear_q5_panels (a chunk's int8 inputs) and
-    linear_q5 (float inputs, and the other rows from 8 on: the inputs rounded first) through the dispatch, against gguf-py's values times the inputs (rounded as
+    linear_q5 (float inputs) through the dispatch, against gguf-py's values times the inputs (rounded as
     quant.round_activations rounds them)."""
     from tinyllm.kernels import dispatch
     from tinyllm.kernels.q5_kernels import linear_q5_a8
@@ -92,7 +92,7 @@ def test_q5_kernels_match_gguf_py_times_the_rounded_inputs(cols):
     raw, qw = q5_weight(40, cols, 10)
     w = reference(raw)                                                              # [40, cols]
     rng = np.random.default_rng(11)
-    for rows in (1, 3, 9, 20):      # integer dots; float rows (rounded first); integer tiles from 17 (VNNI)
+    for rows in (1, 3, 9, 20):      # integer dots below 12 rows, integer tiles from 12 (either ISA)
         x = rng.normal(0, 1, (rows, cols)).astype(np.float32)
         for int8_inputs in (True, False):
             expected = (quant.round_activations(x) if int8_inputs else x) @ w.T        # [rows, 40]

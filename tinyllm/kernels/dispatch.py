@@ -47,15 +47,18 @@ FEW_TOKENS = 16   # up to this many query tokens attention splits over positions
 FUSED_ROWS = 0 if config.DISABLE_JIT else FEW_TOKENS   # the fused block needs compiled code (linear_into)
 PREFILL_CHUNK = SMALL_M   # a longer prompt is prefilled in chunks this long: every pass stays in these kernels
 # With int8 inputs, from this many rows the integer tiles; below, the integer row dots. 8-bit weights: a batch of 8
-# too; 4-bit ones: past FEW_TOKENS, as a tile's 4-bit panels cost more to pack (docs/design/kernels.md, "Prompt
-# chunks")
+# too; 4-bit ones: past FEW_TOKENS, as a tile's 4-bit panels cost more to pack; Q5_0 (its panels are int8 blocks) in
+# between (docs/design/kernels.md, "Prompt chunks"); Q6_K has no tiles: past FEW_TOKENS, the float kernels
 INTEGER_TILES_FROM = TILE_MIN_ROWS
 Q4_INTEGER_TILES_FROM = FEW_TOKENS + 1
+Q5_INTEGER_TILES_FROM = 12
 
 
 def integer_tiles_from(w) -> int:
-    """From how many input rows a quantized weight w multiplies int8-rounded inputs in integer tiles."""
-    return Q4_INTEGER_TILES_FROM if isinstance(w, (Q4Weight, Q5Weight)) else INTEGER_TILES_FROM   # (Q5_0: 4-bit's dots)
+    """From how many input rows a quantized weight w multiplies int8-rounded inputs in integer tiles (Q6_K: where its
+    row dots stop)."""
+    return (Q4_INTEGER_TILES_FROM if isinstance(w, (Q4Weight, Q6KWeight)) else Q5_INTEGER_TILES_FROM if isinstance(
+        w, Q5Weight) else INTEGER_TILES_FROM)
 
 
 # --- linear -----------------------------------------------------------------------------------------------------
@@ -82,8 +85,8 @@ def linear_into(w, x, out, int8_inputs: bool, int_dots: bool) -> None:
         many = linear_panels                                             # a prompt chunk (int8: no AVX-512)
     rounded = int8_inputs and isinstance(w, QUANTIZED)
     tiles_from = integer_tiles_from(w)
-    row_dots_below = (Q4_INTEGER_TILES_FROM if isinstance(w, (Q4Weight, Q5Weight, Q6KWeight)) and intdot.USE_INT_DOTS
-                      else TILE_MIN_ROWS)                                # (packed values: each row dot unpacks them)
+    row_dots_below = (tiles_from if isinstance(w, (Q4Weight, Q5Weight, Q6KWeight)) and intdot.USE_INT_DOTS
+                      else TILE_MIN_ROWS)
     if rounded and x.shape[0] < row_dots_below:                          # a few rows: integer dot products
         integer(w, x, out, int_dots)
     elif rounded and intdot.USE_INT_DOTS and x.shape[0] >= tiles_from and x.shape[1] % BLOCK == 0 and not k_quant:

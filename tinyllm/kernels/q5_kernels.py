@@ -6,11 +6,11 @@ intdot.dot_q5 (VNNI) or dot_q5_blocks (AVX2) put each block's fifth bits into it
 i1) before the integer multiply, and take the block's minimum as -16 d, so the inputs are laid out as Q4_1's
 (q4_kernels.q4_inputs). That is llama.cpp's idea too (ggml_vec_dot_q5_0_q8_0: the bits expanded to bytes, OR-ed
 into the nibbles), with Q4_1's minimum term for ggml's -16 (which ggml subtracts from each byte instead).
-`linear_q5_panels`, a prompt chunk rounded to int8 blocks (from dispatch.INTEGER_TILES_FROM rows), runs the
+`linear_q5_panels`, a prompt chunk rounded to int8 blocks (from dispatch.Q5_INTEGER_TILES_FROM rows), runs the
 integer tiles of int8 blocks (panel_kernels.py): each task's 16 weight rows unpacked to q - 16 (int8 in [-16, 15])
 under their scales d, then interleaved into a panel as an Int8BlockWeight's are.
-`linear_q5`, float inputs (the float activations setting, and the other rows from 8 on: batches, short chunks,
-their inputs rounded first), dequantizes each weight row once and takes one plain dot product per input row, as
+`linear_q5`, float inputs (the float activations setting; rounded ones from 8 rows on a CPU with neither VNNI nor
+AVX2), dequantizes each weight row once and takes one plain dot product per input row, as
 Q6_K's float kernel does: no tiles.
 Their numpy twin is the numpy backend's linear of the dequantized weight (rounding x first for int8 inputs).
 """
