@@ -64,6 +64,52 @@ def test_the_governor_climbs_back_once_cores_come_free_and_starts_from_what_is_f
     assert used[-1] == 2 and governor.current == 2
 
 
+def test_a_step_held_up_past_its_budget_moves_the_governor_to_one_thread_at_once(machine):
+    """A step given `budget()` (STALLED times the best step, at least MIN_BUDGET; none on one thread or before a best
+    is known) that fell
+    back to one thread mid-step leaves the next steps on one thread, without three more stalled steps to see it;
+    the count climbs back once cores come free."""
+    governor = ThreadGovernor(most=2)
+    assert governor.budget() == 0.0                                   # no best step yet: no limit
+    run_steps(governor, lambda n, i: {2: 0.010, 1: 0.016}[n], 20)
+    assert governor.current == 2 and governor.budget() == ThreadGovernor.MIN_BUDGET   # (4 x 10 ms is less)
+    governor.best = 0.050
+    assert governor.budget() == pytest.approx(ThreadGovernor.STALLED * 0.050)
+    machine["others"] = 4
+    governor.record(governor.choose(), 0.200, fell_back=True)        # a step held up, finished on one thread
+    assert governor.choose() == 1 and governor.budget() == 0.0
+    machine["others"] = 0
+    used = run_steps(governor, lambda n, i: {2: 0.010, 1: 0.016}[n], 40)
+    assert used[-1] == 2
+
+
+@pytest.mark.parametrize("quant, activations", [(None, "float32"), ("q4_1", "int8")])
+def test_a_step_that_falls_back_to_one_thread_mid_step_gives_the_same_logits(machine, monkeypatch, quant, activations):
+    """The fused step's layers after the budget is spent run on one thread (the plain block for fp32, the threaded
+    one for quantized weights): the same logits, bit for bit, as a step that kept its threads."""
+    import numba
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_model import random_model
+    from tinyllm.kernels import block
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("one thread: nothing to fall back from")
+    m = random_model("llama", dim=64, ffn_dim=64, quant=quant, activations=activations)
+    fell = []
+    decode_blocks = block.decode_blocks
+    monkeypatch.setattr(m.compute.kernels, "decode_blocks", lambda *a: fell.append(decode_blocks(*a)) or fell[-1])
+    out = []
+    for budget in (0.0, 1e-9):                                       # no limit; spent after the first layer
+        monkeypatch.setattr(ThreadGovernor, "budget", lambda self, b=budget: b)
+        monkeypatch.setattr(threads, "allowed", lambda: 2)
+        m.compute._governors.clear()
+        threads.step_threads(2)
+        cache = m.new_cache(16)
+        m.forward([1, 2, 3], cache)
+        out.append(m.forward([4], cache))
+    assert fell == [False, False, True, True]                         # (the prompt of 3 tokens is a fused step too)
+    np.testing.assert_array_equal(out[0], out[1])
+
+
 def test_a_governor_of_one_allowed_thread_never_asks_for_two(machine):
     used = run_steps(ThreadGovernor(most=1), lambda n, i: 0.01 * (1 + i % 7), 500)
     assert (used == 1).all()

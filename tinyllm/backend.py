@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 import weakref
 from contextlib import contextmanager, nullcontext
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -112,15 +113,17 @@ class NumbaBackend:
                                                          for i in range(len(weights))])
         caches = known[1]
         cos, sin = model.rope_cos[start:start + T], model.rope_sin[start:start + T]   # [T, Dh/2] each
-        with self.governed(("fused", len(weights), T)):
-            self.kernels.decode_blocks(x, weights, caches, start, cos, sin, c.n_heads, c.norm_eps, model.int8_inputs)
+        with self.governed(("fused", len(weights), T)) as step:
+            step.fell_back = self.kernels.decode_blocks(x, weights, caches, start, cos, sin, c.n_heads, c.norm_eps,
+                                                        model.int8_inputs, step.budget)
 
     @contextmanager
     def governed(self, key, probe: bool = True):
         """Run the step inside on as many threads as the ThreadGovernor of `key` (the step's shape) chooses: the
         most allowed, unless fewer ran faster lately (a busy machine: threads.py); its time goes to the governor.
-        probe=False (a prompt's pass: one such pass may be a whole request, too few to measure a count on): as many
-        threads as cores are free right now."""
+        Yields the step's `budget` (seconds, 0: none) past which it should go on on one thread, and takes back
+        whether it did (`fell_back`). probe=False (a prompt's pass: one such pass may be a whole request, too few to
+        measure a count on): as many threads as cores are free right now."""
         note_kernel_thread()
         governor = self._governors.get(key) if probe else None
         if governor is None and probe:
@@ -128,10 +131,11 @@ class NumbaBackend:
         n = governor.choose() if probe else free_threads()
         if n != self.kernels.get_num_threads():
             step_threads(n)                             # (Numba's for this thread, and BLAS's; the head runs on n too)
+        step = SimpleNamespace(budget=governor.budget() if probe else 0.0, fell_back=False)
         t0 = time.perf_counter()
-        yield
+        yield step
         if probe:
-            governor.record(n, time.perf_counter() - t0)
+            governor.record(n, time.perf_counter() - t0, step.fell_back)
 
     def warm_up(self, model, kv_dtype: str = "float32") -> float:
         """Compile (or load from Numba's disk cache) the kernels of this model's weight formats, activations setting

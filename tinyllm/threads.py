@@ -129,13 +129,21 @@ class ThreadGovernor:
       (a probe step STALLED ends its probe), so it waits at least CLIMB_GAP steps. The count of free cores also
       sets the first count.
 
-        n = governor.choose(); numba.set_num_threads(n); <the step>; governor.record(n, seconds)
+    A step on more than one thread that other work has just begun to hold up can take a second (a time slice at
+    each barrier), and three of them would pass before the median saw it: so a step is given a `budget`, STALLED
+    times the best step but at least MIN_BUDGET (a quiet shared machine has hiccups of tens of milliseconds), past
+    which it goes on on one thread (kernels/block.py decode_blocks), and a step that fell back moves the count to
+    fewer threads at once.
+
+        n = governor.choose(); numba.set_num_threads(n); <the step, within governor.budget()>
+        governor.record(n, seconds, fell_back)
     """
     PROBE, FIRST_GAP, CLIMB_GAP, MAX_GAP = 3, 256, 256, 1024   # steps (no probe within a short answer)
     CLIMB, LOOK = 3, 4   # looks in a row (one every LOOK steps) that see a free core before more threads are tried
     SLOWER = 1.5         # the median of the last 3 steps this much slower than the best: the machine got busier
     STALLED = 4.0        # a probe step this much slower than the best: that count loses at once
     BETTER = 0.95        # the other count must be at least 5% faster to switch
+    MIN_BUDGET = 0.1     # seconds: a step's budget is never shorter
 
     def __init__(self, most=None):
         self._most = most                      # None: threads.allowed() at each step (set_threads may change it)
@@ -158,7 +166,19 @@ class ThreadGovernor:
         self.current = min(self.current, most)
         return min(self.probing or self.current, most)
 
-    def record(self, n: int, seconds: float) -> None:
+    def budget(self) -> float:
+        """Seconds past which the next step should go on on one thread (0: no limit, as when it runs on one, or
+        before a best step is known)."""
+        if self.best is None or min(self.probing or self.current or 1, self.most) == 1:
+            return 0.0
+        return max(self.STALLED * self.best, self.MIN_BUDGET)
+
+    def record(self, n: int, seconds: float, fell_back: bool = False) -> None:
+        if fell_back:                          # held up mid-step: fewer threads now, more once cores come free
+            self.current, self.probing, self.trial, self.recent, self.best = max(n // 2, 1), None, [], [], None
+            self.gap = self.until_probe = self.CLIMB_GAP
+            self.switches, self.free_seen = self.switches + 1, 0
+            return
         if self.probing is not None:
             self.trial.append(seconds)
             if len(self.trial) >= self.PROBE or seconds > self.STALLED * self.best:

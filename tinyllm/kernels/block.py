@@ -19,11 +19,13 @@ the same caveat).
 from __future__ import annotations
 
 import os
+import time
 
 import numba
 import numpy as np
 from numba import njit, prange
 
+from ..threads import step_threads
 from . import intdot
 from .attention_kernels import attend_chunk, decode_attention, merge_chunks, position_chunks
 from .dispatch import linear_into, linear_share, thread_share
@@ -52,25 +54,34 @@ def cache_operands(k_cache, v_cache, n_heads: int) -> tuple:
     return k, k_scales, v, v_scales, row_shape_of(k, k_scales, n_heads // k.shape[1])
 
 
-def decode_blocks(x, weights, caches, start: int, cos, sin, n_heads: int, eps: float, int8_inputs: bool) -> None:
+def decode_blocks(x, weights, caches, start: int, cos, sin, n_heads: int, eps: float, int8_inputs: bool,
+                  budget: float = 0.0) -> bool:
     """Every Llama block for the T <= FUSED_ROWS new tokens x [T, D] at positions start .. start+T-1, one compiled
     call per layer, updating x in place and writing their K and V into each layer's cache. weights[i]:
     block_weights(layer i); caches[i]: cache_operands of layer i's K and V; cos, sin [T, Dh/2]: the rotations of
-    the tokens' positions; int8_inputs: the activations setting."""
+    the tokens' positions; int8_inputs: the activations setting. budget: seconds for the step (0: no limit); once
+    the layers so far took longer than their share of it, plus a quarter of it up front (a hiccup early in a step
+    is not a stall), the rest run on one thread (threads.step_threads(1)): a machine whose cores other work has
+    taken can hold up each of a step's barriers for a time slice, and the step for a second.
+    -> whether they did (the same numbers either way: a share's work does not depend on the thread count)"""
     int_dots = intdot.USE_INT_DOTS
+    n, t0, fell_back = numba.get_num_threads(), time.perf_counter(), False
     # the threaded block for quantized weights only (fp32 gained nothing: docs/design/kernels.md)
     quantized = weights[0][2][0].dtype != np.float32               # (wqkv's values: not a Float32Weight)
-    if x.shape[0] < TILE_MIN_ROWS and quantized and not _plain_only and threads_can_wait():
-        block, n = THREADED_BLOCKS[int8_inputs], numba.get_num_threads()
-        state = new_state()                                        # a barrier per call: two callers never share one
-        for (attn_norm, ffn_norm, wqkv, wo, w_in, w_out), (k, k_scales, v, v_scales, shape) in zip(weights, caches):
-            block(x, attn_norm, ffn_norm, wqkv, wo, w_in, w_out, int_dots, k, k_scales, v, v_scales, start, cos, sin,
-                  n_heads, eps, shape, state, n)
-        return
-    block = BLOCKS[int8_inputs]
-    for (attn_norm, ffn_norm, wqkv, wo, w_in, w_out), (k, k_scales, v, v_scales, shape) in zip(weights, caches):
-        block(x, attn_norm, ffn_norm, wqkv, wo, w_in, w_out, int_dots, k, k_scales, v, v_scales, start, cos, sin,
-              n_heads, eps, shape)
+    threaded = x.shape[0] < TILE_MIN_ROWS and quantized and not _plain_only and threads_can_wait()
+    block, state = (THREADED_BLOCKS if threaded else BLOCKS)[int8_inputs], new_state()   # (a barrier per call)
+    for i, ((attn_norm, ffn_norm, wqkv, wo, w_in, w_out), (k, k_scales, v, v_scales, shape)) in enumerate(
+            zip(weights, caches)):
+        args = (x, attn_norm, ffn_norm, wqkv, wo, w_in, w_out, int_dots, k, k_scales, v, v_scales, start, cos, sin,
+                n_heads, eps, shape)
+        if threaded:
+            block(*args, state, n)
+        else:
+            block(*args)
+        if budget and n > 1 and time.perf_counter() - t0 > budget * (i + 1 + len(weights) / 4) / len(weights):
+            n, fell_back = 1, True
+            step_threads(1)
+    return fell_back
 
 
 _layer_ok, _plain_only = False, False
