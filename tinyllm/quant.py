@@ -176,7 +176,8 @@ class Q6KBlock(QuantizedWeight):
         """q - 32, whole numbers in [-32, 31]. -> [o, I] int8"""
         low, high = self.low[rows], self.high[rows]
         o = low.shape[0]
-        a, b = low.reshape(o, -1, 2, 64)[..., :32], low.reshape(o, -1, 2, 64)[..., 32:]   # [o, I/256, 2, 32]
+        halves = low.reshape(o, -1, 2, 64)                                               # [o, I/256, 2, 64]
+        a, b = halves[..., :32], halves[..., 32:]                                         # [o, I/256, 2, 32]
         h = high.reshape(o, -1, 2, 32)                                                    # [o, I/256, 2, 32]
         q = np.concatenate([(a & 15) | (h & 3) << 4, (b & 15) | (h >> 2 & 3) << 4,       # values 0-31, 32-63,
                             a >> 4 | (h >> 4 & 3) << 4, b >> 4 | (h >> 6) << 4], axis=-1)  # 64-95, 96-127

@@ -69,7 +69,8 @@ def decode_blocks(x, weights, caches, start: int, cos, sin, n_heads: int, eps: f
     # the threaded block for quantized weights only (fp32 gained nothing: docs/design/kernels.md)
     quantized = weights[0][2][0].dtype != np.float32               # (wqkv's values: not a Float32Weight)
     threaded = x.shape[0] < TILE_MIN_ROWS and quantized and not _plain_only and threads_can_wait()
-    block, state = (THREADED_BLOCKS if threaded else BLOCKS)[int8_inputs], new_state()   # (a barrier per call)
+    block = (THREADED_BLOCKS if threaded else BLOCKS)[int8_inputs]
+    state = new_state() if threaded else None                      # a barrier per call: two callers never share one
     for i, ((attn_norm, ffn_norm, wqkv, wo, w_in, w_out), (k, k_scales, v, v_scales, shape)) in enumerate(
             zip(weights, caches)):
         args = (x, attn_norm, ffn_norm, wqkv, wo, w_in, w_out, int_dots, k, k_scales, v, v_scales, start, cos, sin,

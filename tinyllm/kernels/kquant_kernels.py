@@ -30,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ..quant import BLOCK, SUPER
+from ..quant import BLOCK, Q4KBlock, SUPER
 from .intdot import HAVE_AVX2, HAVE_VNNI, INT_DOTS, q4_group
 from .linear_kernels import OUT_BLOCK, n_tasks, quantize_rows
 from .numerics import PARALLEL, SERIAL
@@ -147,9 +147,8 @@ def q4_rows(w, o0, o1):
 def as_q4_weight(w) -> Q4Weight:
     """A whole Q4KWeight as the Q4Weight it equals (quant.Q4KBlock.as_q4_1's numbers): for the kernels that read
     Q4_1's arrays only, the tiles of many input rows, at the price of 0.19 bytes a weight of scratch per call."""
-    packed, scales, mins, d, dmin = w
-    sup = np.arange(scales.shape[1]) // SUPER                       # [I/32] the super-block of each block
-    return Q4Weight(packed, d[:, sup] * scales, -(dmin[:, sup] * mins))
+    scale, minimum = Q4KBlock(*w).block_scales()                    # [O, I/32] each
+    return Q4Weight(w[0], scale, -minimum)
 
 
 @njit(**SERIAL)

@@ -108,8 +108,9 @@ def _format_of(n_arrays: int, dtype, last_dtype, scale_ndim: int):
     if name == "float32":
         return Float32Weight
     if name == "uint8":
-        return ({5: Q4KWeight, 4: Q6KWeight}.get(n_arrays) or (Q5Weight if str(last_dtype) == "uint32" else
-                                                                 Q4Weight))
+        if n_arrays != 3:
+            return Q4KWeight if n_arrays == 5 else Q6KWeight
+        return Q5Weight if str(last_dtype) == "uint32" else Q4Weight
     if name == "int8":
         return {1: Int8Weight, 2: Int8BlockWeight}[scale_ndim]
     raise TypeError(f"no weight format has {name} values")
