@@ -428,8 +428,8 @@ def test_exp32_matches_the_library_exponential():
 @pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 36, 100, 1000])
 def test_ordered_sum_adds_in_its_written_order(n):
     """numerics.ordered_sum, the sum that attention's softmax shares between block.py's threaded block and the
-    kernels: exactly the 16 lanes and the halving it says (emulated in float32 numpy), whether it is called from a
-    compiled caller or on its own."""
+    kernels: exactly the tree of pairs per 16 values and the running total it says (emulated in float32 numpy),
+    whether it is called from a compiled caller or on its own."""
     from numba import njit
 
     from tinyllm.kernels.numerics import ordered_sum
@@ -439,15 +439,16 @@ def test_ordered_sum_adds_in_its_written_order(n):
         return ordered_sum(row, n) * np.float32(1.0)
 
     row = RNG.normal(0, 1, n + 3).astype(np.float32)                 # (values past n are not read)
-    lanes = np.zeros(16, np.float32)
-    for i in range(n):
-        lanes[i % 16 if i < n - n % 16 else i - (n - n % 16)] += row[i]
-    width = 16
-    while width > 1:
-        width //= 2
-        lanes[:width] = lanes[:width] + lanes[width:2 * width]
-    assert ordered_sum(row, n) == lanes[0] == inside(row, n)
-    assert abs(float(lanes[0]) - float(row[:n].astype(np.float64).sum())) < 1e-5 * max(1, n)
+    total = np.float32(0.0)
+    for i in range(0, n - n % 16, 16):
+        pairs = row[i:i + 16]
+        while len(pairs) > 1:                                         # 16 -> 8 -> 4 -> 2 -> 1, neighbours added
+            pairs = pairs[0::2] + pairs[1::2]
+        total = np.float32(total + pairs[0])
+    for i in range(n - n % 16, n):
+        total = np.float32(total + row[i])
+    assert ordered_sum(row, n) == total == inside(row, n)
+    assert abs(float(total) - float(row[:n].astype(np.float64).sum())) < 1e-5 * max(1, n)
 
 
 @pytest.mark.parametrize("T", [1, 5])

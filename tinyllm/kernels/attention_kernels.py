@@ -17,8 +17,9 @@ from numba import njit, prange
 from .kv_rows import add_rows, score_rows
 from .numerics import PARALLEL, SERIAL, exp32, ordered_sum, softmax_in_place
 
-ATTN_CHUNK = 64   # fewest cache positions per task in decode attention
-ATTN_TASKS = 16   # most tasks: past 1,024 positions the chunks grow, so the serial merge stays small
+ATTN_CHUNK = 64       # about this many cache positions per task in decode attention (a pair of tasks per 128)
+ATTN_TASKS = 16       # most tasks: past 1,024 positions the chunks grow, so the serial merge stays small
+ATTN_ONE_TASK = 16    # fewer positions than this: one task
 ROWS_AT_ONCE = 32  # cached positions per pass of kv_rows: their rows for every KV head come from memory once
 
 
@@ -30,10 +31,10 @@ def decode_attention(q, k, ks, v, vs, start, out, shape):
     of the cache.
 
     Split over positions ("flash-decoding", Dao et al. 2023), so both cores work even with 3 KV heads: each task
-    takes a chunk of positions (ATTN_CHUNK, or S / ATTN_TASKS when that is more) and computes, per query token and
-    head, the scores, their running max m, the sum l of their exponentials and the weighted sum of V; the chunks
-    are merged at the end by rescaling with exp(m_chunk - m_global). A task reads its K rows, then its V rows,
-    front to back, ROWS_AT_ONCE positions at a time (each KV head's part of them in turn, kv_rows.py).
+    takes a chunk of positions (position_chunks) and computes, per query token and head, the scores, their
+    running max m, the sum l of their exponentials and the weighted sum of V; the chunks are merged at the end by
+    rescaling with exp(m_chunk - m_global). A task reads its K rows, then its V rows, front to back, ROWS_AT_ONCE
+    positions at a time (each KV head's part of them in turn, kv_rows.py).
     """
     T, H, Dh = q.shape
     S = k.shape[0]
@@ -49,8 +50,11 @@ def decode_attention(q, k, ks, v, vs, start, out, shape):
 
 @njit(fastmath=True, cache=True, inline="always")
 def position_chunks(S):
-    """decode_attention's split of S positions -> (positions per chunk, how many chunks)."""
-    chunk = max(ATTN_CHUNK, (S + ATTN_TASKS - 1) // ATTN_TASKS)
+    """decode_attention's split of S positions -> (positions per chunk, how many chunks): an even number of
+    chunks of nearly equal size (about ATTN_CHUNK), so that two threads get equal shares (a context of 40 in one
+    chunk of 64 left the other core waiting), whatever the thread count (the results do not depend on it)."""
+    n = 1 if S < ATTN_ONE_TASK else min(ATTN_TASKS, 2 * ((S + 2 * ATTN_CHUNK - 1) // (2 * ATTN_CHUNK)))
+    chunk = (S + n - 1) // n
     return chunk, (S + chunk - 1) // chunk
 
 

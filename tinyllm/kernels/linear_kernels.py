@@ -158,28 +158,52 @@ def quantize_rows(x):
     -128 times the sum of each 4 consecutive values of xq."""
     M, I = x.shape
     nb = (I + BLOCK - 1) // BLOCK
+    full = I // BLOCK
     xq = np.empty((M, I), np.int8)
-    xstart = np.empty((M, I // BLOCK * (BLOCK // 4)), np.int32)
+    xstart = np.empty((M, full * (BLOCK // 4)), np.int32)
     xs = np.empty((M, nb), np.float32)
-    v = np.empty(BLOCK, np.float32)
     for m in range(M):
-        for b in range(nb):
+        for b in range(full):                           # a constant size: loops LLVM writes out as vector code
             i0 = b * BLOCK
-            n = min(I - i0, BLOCK)
-            amax = np.float32(0.0)
-            for j in range(n):
-                amax = max(amax, abs(x[m, i0 + j]))
-            s = amax / np.float32(127.0) if amax > 0 else np.float32(1.0)
-            for j in range(n):                          # simple loops, so that each one vectorises
-                v[j] = min(max(np.rint(x[m, i0 + j] / s), np.float32(-127.0)), np.float32(127.0))
-            for j in range(n):
-                xq[m, i0 + j] = np.int8(v[j])
-            if n == BLOCK:
-                for lane in range(BLOCK // 4):
-                    xstart[m, b * (BLOCK // 4) + lane] = np.int32(-128) * np.int32(
-                        v[4 * lane] + v[4 * lane + 1] + v[4 * lane + 2] + v[4 * lane + 3])
-            xs[m, b] = s
+            xs[m, b] = s = _block_scale(_block_amax(x[m, i0:i0 + BLOCK]))
+            for j in range(BLOCK):
+                xq[m, i0 + j] = _rounded(x[m, i0 + j], s)
+            for lane in range(BLOCK // 4):
+                xstart[m, b * (BLOCK // 4) + lane] = np.int32(-128) * (
+                    np.int32(xq[m, i0 + 4 * lane]) + np.int32(xq[m, i0 + 4 * lane + 1])
+                    + np.int32(xq[m, i0 + 4 * lane + 2]) + np.int32(xq[m, i0 + 4 * lane + 3]))
+        if nb > full:                                   # a shorter last block (I not a multiple of 32)
+            i0 = full * BLOCK
+            xs[m, full] = s = _block_scale(_block_amax(x[m, i0:]))
+            for j in range(I - i0):
+                xq[m, i0 + j] = _rounded(x[m, i0 + j], s)
     return xq, xstart, xs
+
+
+@njit(fastmath=_EXACT_DIVIDE, cache=True, nogil=True, error_model="numpy", inline="always")
+def _block_amax(values):
+    """max |values|, in four running maxima (one chain of dependent max instructions took most of a block's
+    time; max is exact in any order)."""
+    n = values.shape[0]
+    m0 = m1 = m2 = m3 = np.float32(0.0)
+    for j in range(0, n - n % 4, 4):
+        m0, m1 = max(m0, abs(values[j])), max(m1, abs(values[j + 1]))
+        m2, m3 = max(m2, abs(values[j + 2])), max(m3, abs(values[j + 3]))
+    for j in range(n - n % 4, n):
+        m0 = max(m0, abs(values[j]))
+    return max(max(m0, m1), max(m2, m3))
+
+
+@njit(fastmath=_EXACT_DIVIDE, cache=True, nogil=True, error_model="numpy", inline="always")
+def _block_scale(amax):
+    """A block's int8 step: its largest magnitude over 127; 1 for a block of zeros."""
+    return amax / np.float32(127.0) if amax > 0 else np.float32(1.0)
+
+
+@njit(fastmath=_EXACT_DIVIDE, cache=True, nogil=True, error_model="numpy", inline="always")
+def _rounded(value, s):
+    """value / s to the nearest int8 level (half to even, as np.rint), clipped to +-127."""
+    return np.int8(min(max(np.rint(value / s), np.float32(-127.0)), np.float32(127.0)))
 
 
 @njit(fastmath=_EXACT_DIVIDE, cache=True, nogil=True, error_model="numpy")

@@ -68,20 +68,16 @@ def softmax_in_place(row):
 
 @njit(fastmath=EXACT_PER_VALUE, cache=True, nogil=True, error_model="numpy")
 def ordered_sum(row, n):
-    """row[:n].sum() in an order that no compiler changes: 16 running sums (lane l takes the values at l, l + 16,
-    ...), then added in halves. With fastmath's reassociation LLVM picks a sum's order by how it vectorises the
-    loop, which depends on where the loop is compiled (inlined into a caller, or loaded from the disk cache); the
-    callers that must agree bit for bit (block.py's threaded block and the kernels) share this instead."""
-    lanes = np.zeros(16, np.float32)
-    full = n - n % 16
-    for i in range(0, full, 16):
-        for lane in range(16):
-            lanes[lane] += row[i + lane]
-    for i in range(full, n):
-        lanes[i - full] += row[i]
-    width = 16
-    while width > 1:
-        width //= 2
-        for lane in range(width):
-            lanes[lane] += lanes[lane + width]
-    return lanes[0]
+    """row[:n].sum() in an order that no compiler changes: each 16 values added as a fixed tree of pairs, those
+    sums one after another, then the last n % 16 values. With fastmath's reassociation LLVM picks a sum's order by
+    how it vectorises the loop, which depends on where the loop is compiled (inlined into a caller, or loaded from
+    the disk cache); the callers that must agree bit for bit (block.py's threaded block and the kernels) share this
+    instead. (No scratch array: an allocation per call cost attention more than the sums of a short chunk.)"""
+    total = np.float32(0.0)
+    for i in range(0, n - n % 16, 16):
+        r = row[i:i + 16]
+        total += ((((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7])))
+                  + (((r[8] + r[9]) + (r[10] + r[11])) + ((r[12] + r[13]) + (r[14] + r[15]))))
+    for i in range(n - n % 16, n):
+        total += row[i]
+    return total
