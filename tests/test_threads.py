@@ -65,12 +65,14 @@ def test_the_governor_climbs_back_once_cores_come_free_and_starts_from_what_is_f
 
 
 def test_a_step_held_up_past_its_budget_moves_the_governor_to_one_thread_at_once(machine):
-    """A step given `budget()` (STALLED times the best step, at least MIN_BUDGET; none on one thread or before a best
-    is known) that fell
-    back to one thread mid-step leaves the next steps on one thread, without three more stalled steps to see it;
-    the count climbs back once cores come free."""
+    """A step given `budget()` (STALLED times the best step, at least MIN_BUDGET; none on one thread; before a best
+    is known, the time to read the step's bytes at SLOWEST_READ) that fell back to one thread mid-step leaves the
+    next steps on one thread, without three more stalled steps to see it; the count climbs back once cores come
+    free."""
     governor = ThreadGovernor(most=2)
-    assert governor.budget() == 0.0                                   # no best step yet: no limit
+    assert governor.choose() == 2
+    assert governor.budget(10**8) == ThreadGovernor.MIN_BUDGET        # no best step yet: from the bytes, at least
+    assert governor.budget(10**9) == pytest.approx(1e9 / ThreadGovernor.SLOWEST_READ)     # MIN_BUDGET
     run_steps(governor, lambda n, i: {2: 0.010, 1: 0.016}[n], 20)
     assert governor.current == 2 and governor.budget() == ThreadGovernor.MIN_BUDGET   # (4 x 10 ms is less)
     governor.best = 0.050
@@ -99,7 +101,7 @@ def test_a_step_that_falls_back_to_one_thread_mid_step_gives_the_same_logits(mac
     monkeypatch.setattr(m.compute.kernels, "decode_blocks", lambda *a: fell.append(decode_blocks(*a)) or fell[-1])
     out = []
     for budget in (0.0, 1e-9):                                       # no limit; spent after the first layer
-        monkeypatch.setattr(ThreadGovernor, "budget", lambda self, b=budget: b)
+        monkeypatch.setattr(ThreadGovernor, "budget", lambda self, step_bytes=0, b=budget: b)
         monkeypatch.setattr(threads, "allowed", lambda: 2)
         m.compute._governors.clear()
         threads.step_threads(2)
@@ -156,6 +158,20 @@ def test_the_threaded_block_with_more_threads_than_cores_and_a_busy_process_give
         os.killpg(busy.pid, 9)
         busy.wait()
     assert done.returncode == 0 and done.stdout.strip() == "same", done.stderr[-2000:]
+
+
+def test_a_fused_step_tells_its_governor_the_bytes_of_its_weights(monkeypatch):
+    """The first step's budget comes from the bytes the step reads: the fused step passes its layers' weights."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_model import random_model
+    m = random_model("llama", dim=64, ffn_dim=64, quant="q4_1", activations="int8")
+    asked, budget = [], ThreadGovernor.budget
+    monkeypatch.setattr(ThreadGovernor, "budget", lambda self, step_bytes=0: asked.append(step_bytes) or
+                        budget(self, step_bytes))
+    m.forward([1, 2], m.new_cache(8))
+    layer_bytes = [sum(a.nbytes for w in (layer.wqkv, layer.wo, layer.w_in, layer.w_out) for a in vars(w).values()
+                       if isinstance(a, np.ndarray)) for layer in m.layers]
+    assert asked and asked[-1] == pytest.approx(sum(layer_bytes), rel=0.1)   # (and the norms)
 
 
 def test_batched_and_fused_steps_each_have_a_governor_that_sets_their_thread_count(monkeypatch):

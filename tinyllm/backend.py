@@ -84,7 +84,7 @@ class NumbaBackend:
         self.kernels = kernels
         self.prefill_chunk = kernels.PREFILL_CHUNK      # a longer prompt goes in chunks: each stays in the kernels
         self._layer_operands = weakref.WeakKeyDictionary()    # LayerWeights -> what the fused block takes of it
-        self._last_layers = ((), [])                          # (the layers of the last step, their operands)
+        self._last_layers = ((), [], 0)                       # (the layers of the last step, their operands, bytes)
         self._cache_operands = weakref.WeakKeyDictionary()    # cache -> per layer, what it takes of K and V
         self._paged_kv_dtypes = set()                          # the pool formats warmed up for
         self._governors = {}                                    # a step's shape -> its ThreadGovernor
@@ -100,12 +100,13 @@ class NumbaBackend:
         compiled call per layer with no Python between the kernels (block.py); tests/test_model.py checks it
         against the op-by-op blocks."""
         c, T = model.config, x.shape[0]
-        last, weights = self._last_layers               # (a draft may share this backend with other layers)
+        last, weights, weight_bytes = self._last_layers  # (a draft may share this backend with other layers)
         if len(last) != len(model.layers) or any(a is not b for a, b in zip(last, model.layers)):
             known = self._layer_operands
             weights = [known.get(layer) or known.setdefault(layer, self.kernels.block_weights(layer))
                        for layer in model.layers]
-            self._last_layers = tuple(model.layers), weights
+            weight_bytes = _nbytes(weights)
+            self._last_layers = tuple(model.layers), weights, weight_bytes
         k, v, key = cache.contiguous()                   # [L, S, KVH, Dh] each (a paged sequence: its run of blocks)
         known = self._cache_operands.get(cache)
         if known is None or known[0] != key or len(known[1]) != len(weights):
@@ -113,17 +114,18 @@ class NumbaBackend:
                                                          for i in range(len(weights))])
         caches = known[1]
         cos, sin = model.rope_cos[start:start + T], model.rope_sin[start:start + T]   # [T, Dh/2] each
-        with self.governed(("fused", len(weights), T)) as step:
+        with self.governed(("fused", len(weights), T), step_bytes=weight_bytes) as step:
             step.fell_back = self.kernels.decode_blocks(x, weights, caches, start, cos, sin, c.n_heads, c.norm_eps,
                                                         model.int8_inputs, step.budget)
 
     @contextmanager
-    def governed(self, key, probe: bool = True):
+    def governed(self, key, probe: bool = True, step_bytes: int = 0):
         """Run the step inside on as many threads as the ThreadGovernor of `key` (the step's shape) chooses: the
         most allowed, unless fewer ran faster lately (a busy machine: threads.py); its time goes to the governor.
-        Yields the step's `budget` (seconds, 0: none) past which it should go on on one thread, and takes back
-        whether it did (`fell_back`). probe=False (a prompt's pass: one such pass may be a whole request, too few to
-        measure a count on): as many threads as cores are free right now."""
+        Yields the step's `budget` (seconds, 0: none; from `step_bytes`, the weights it reads, until a best step is
+        known) past which it should go on on one thread, and takes back whether it did (`fell_back`). probe=False
+        (a prompt's pass: one such pass may be a whole request, too few to measure a count on): as many threads as
+        cores are free right now."""
         note_kernel_thread()
         governor = self._governors.get(key) if probe else None
         if governor is None and probe:
@@ -131,7 +133,7 @@ class NumbaBackend:
         n = governor.choose() if probe else free_threads()
         if n != self.kernels.get_num_threads():
             step_threads(n)                             # (Numba's for this thread, and BLAS's; the head runs on n too)
-        step = SimpleNamespace(budget=governor.budget() if probe else 0.0, fell_back=False)
+        step = SimpleNamespace(budget=governor.budget(step_bytes) if probe else 0.0, fell_back=False)
         t0 = time.perf_counter()
         yield step
         if probe:
@@ -159,3 +161,9 @@ def make_backend(name: str):
         raise ValueError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
     return NumbaBackend() if name == "numba" else NumpyBackend()
 
+
+def _nbytes(operands) -> int:
+    """The bytes of the arrays in nested tuples and lists (a step's weight operands)."""
+    if isinstance(operands, np.ndarray):
+        return operands.nbytes
+    return sum(_nbytes(x) for x in operands) if isinstance(operands, (tuple, list)) else 0

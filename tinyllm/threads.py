@@ -133,7 +133,8 @@ class ThreadGovernor:
     each barrier), and three of them would pass before the median saw it: so a step is given a `budget`, STALLED
     times the best step but at least MIN_BUDGET (a quiet shared machine has hiccups of tens of milliseconds), past
     which it goes on on one thread (kernels/block.py decode_blocks), and a step that fell back moves the count to
-    fewer threads at once.
+    fewer threads at once. Before a best step is known (a server's first request, with its client starting beside
+    it), the budget is the time to read the step's bytes at SLOWEST_READ.
 
         n = governor.choose(); numba.set_num_threads(n); <the step, within governor.budget()>
         governor.record(n, seconds, fell_back)
@@ -144,6 +145,7 @@ class ThreadGovernor:
     STALLED = 4.0        # a probe step this much slower than the best: that count loses at once
     BETTER = 0.95        # the other count must be at least 5% faster to switch
     MIN_BUDGET = 0.1     # seconds: a step's budget is never shorter
+    SLOWEST_READ = 2e9   # bytes/s: a first step reading its weights slower than this is held up (DRAM gives 10x more)
 
     def __init__(self, most=None):
         self._most = most                      # None: threads.allowed() at each step (set_threads may change it)
@@ -166,11 +168,13 @@ class ThreadGovernor:
         self.current = min(self.current, most)
         return min(self.probing or self.current, most)
 
-    def budget(self) -> float:
-        """Seconds past which the next step should go on on one thread (0: no limit, as when it runs on one, or
-        before a best step is known)."""
-        if self.best is None or min(self.probing or self.current or 1, self.most) == 1:
+    def budget(self, step_bytes: int = 0) -> float:
+        """Seconds past which the next step, which reads `step_bytes` of weights, should go on on one thread (0: no
+        limit, as when it runs on one)."""
+        if min(self.probing or self.current or 1, self.most) == 1:
             return 0.0
+        if self.best is None:
+            return max(step_bytes / self.SLOWEST_READ, self.MIN_BUDGET)
         return max(self.STALLED * self.best, self.MIN_BUDGET)
 
     def record(self, n: int, seconds: float, fell_back: bool = False) -> None:
