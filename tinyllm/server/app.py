@@ -5,6 +5,7 @@ import asyncio
 import json
 import re
 import signal
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -26,6 +27,7 @@ from .protocol import (FINISH_REASONS, APIError, Choice, Job, ServerOptions, cha
 
 BODY_TIMEOUT = 30.0           # seconds a client may take to send a request's body (else 408)
 PARSE_INLINE_BYTES = 1 << 16  # bodies above this are parsed off the event loop
+GIL_SWITCH_S = 1e-4           # seconds a thread holds the GIL while another waits (Python's default: 5 ms)
 CLIENT_TOKEN = re.compile(r"[A-Za-z0-9_-]{16,128}")   # the lab page's own token (X-Tinyllm-Client)
 
 
@@ -336,6 +338,8 @@ def serve(server: Server, host: str = "127.0.0.1", port: int = 8000, sockets=Non
     # The engine steps on this thread, the one that loaded the model (EngineLoop.run_here says why); uvicorn serves
     # from another, and this thread takes the signals it would have taken.
     server.loop.on_caller = True
+    # A decode step takes the GIL back after each layer's kernel: a thread running Python must hand it over sooner.
+    sys.setswitchinterval(GIL_SWITCH_S)
     thread = threading.Thread(target=run_http, name="tinyllm-http", daemon=True)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, http.handle_exit)
