@@ -133,8 +133,8 @@ class ThreadGovernor:
     each barrier), and three of them would pass before the median saw it: so a step is given a `budget`, STALLED
     times the best step but at least MIN_BUDGET (a quiet shared machine has hiccups of tens of milliseconds), past
     which it goes on on one thread (kernels/block.py decode_blocks), and a step that fell back moves the count to
-    fewer threads at once. Before a best step is known (a server's first request, with its client starting beside
-    it), the budget is the time to read the step's bytes at SLOWEST_READ.
+    fewer threads at once. Before a best step is known (the governor's first steps), the budget is the time to read
+    the step's bytes at SLOWEST_READ.
 
         n = governor.choose(); numba.set_num_threads(n); <the step, within governor.budget()>
         governor.record(n, seconds, fell_back)
