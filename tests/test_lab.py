@@ -488,14 +488,16 @@ def test_this_server_preset_predicts_with_the_machines_calibration(calibrated, p
     assert page.input_value("input[name=memory_gib]") == "8"
     assert "a test" in page.inner_text("#calc-machine-text") and "12.5 GB/s" in page.inner_text("#calc-machine-text")
     lab.post("/v1/completions", {"prompt": "abc", "max_tokens": 8, "temperature": 0, "ignore_eos": True})
-    page.fill("input[name=batch]", "1")
-    row = "tr[data-row='decode step measured here']"
-    page.wait_for_function(f"document.querySelector(\"{row}\").dataset.measured > 0", timeout=10_000)
-    predicted = page.inner_text("tr[data-row='decode step (ITL)'] td.num")
-    assert "× the prediction" in page.inner_text(f"{row} td.muted") and predicted.endswith("ms")
     steps = [s["duration"] for s in lab.http.get("/lab/api/engine").json()["timeline"]
              if len(s["slots"]) == 1 and s["tokens"] == 1 and all(c["token"] for c in s["slots"].values())]
-    assert float(page.get_attribute(row, "data-measured")) == pytest.approx(np.median(steps), rel=0.5)
+    page.fill("input[name=batch]", "1")
+    row = "tr[data-row='decode step measured here']"
+    # (the page polls the timeline: wait until its snapshot holds every decode step of the request)
+    page.wait_for_function(f"document.querySelector(\"{row} td.muted\").textContent.includes("
+                           f"'median of the last {len(steps)} decode steps')", timeout=10_000)
+    predicted = page.inner_text("tr[data-row='decode step (ITL)'] td.num")
+    assert "× the prediction" in page.inner_text(f"{row} td.muted") and predicted.endswith("ms")
+    assert float(page.get_attribute(row, "data-measured")) == pytest.approx(np.median(steps), rel=1e-6)
     # no calibration cached: the seed's accelerator until the page measures this machine
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "fresh"))
     monkeypatch.setattr(roofs, "measure_roofs", lambda **kw: dataclasses.replace(calibrated, bandwidth=20e9, **kw))
