@@ -199,8 +199,9 @@ def test_int8_scores_of_a_nan_q_are_nan(head_dim, vnni):
     assert np.isnan(scores[0, 1]).all() and np.isfinite(scores[0, [0, 2]]).all()
 
 
-@pytest.mark.parametrize("head_dim, kv_dtype", [(64, "float32")] + [(48, d) for d in KV_DTYPES] + [
-    pytest.param(h, d, marks=pytest.mark.slow) for h, d in [(64, "float16"), (64, "int8")] + [(128, d) for d in KV_DTYPES]])
+@pytest.mark.parametrize("head_dim, kv_dtype", [(64, "float32"), (48, "float32"), (48, "int8")] + [
+    pytest.param(h, d, marks=pytest.mark.slow) for h, d in [(48, "float16"), (64, "float16"), (64, "int8")] + [
+        (128, d) for d in KV_DTYPES]])
 def test_decode_attention_on_each_head_size(kv_dtype, head_dim):
     """The decode and paged kernels equal numpy attention (which dequantizes the stored format itself, and over
     int8 rounds q as the kernels do) for head sizes kv_rows writes out (64, 128) and one it does not (48: its
