@@ -105,7 +105,8 @@ class NumbaBackend:
             known = self._layer_operands
             weights = [known.get(layer) or known.setdefault(layer, self.kernels.block_weights(layer))
                        for layer in model.layers]
-            weight_bytes = _nbytes(weights)
+            weight_bytes = sum(w.nbytes for layer in model.layers             # (what the step reads)
+                               for w in (layer.wqkv, layer.wo, layer.w_in, layer.w_out))
             self._last_layers = tuple(model.layers), weights, weight_bytes
         k, v, key = cache.contiguous()                   # [L, S, KVH, Dh] each (a paged sequence: its run of blocks)
         known = self._cache_operands.get(cache)
@@ -160,10 +161,3 @@ def make_backend(name: str):
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
     return NumbaBackend() if name == "numba" else NumpyBackend()
-
-
-def _nbytes(operands) -> int:
-    """The bytes of the arrays in nested tuples and lists (a step's weight operands)."""
-    if isinstance(operands, np.ndarray):
-        return operands.nbytes
-    return sum(_nbytes(x) for x in operands) if isinstance(operands, (tuple, list)) else 0
