@@ -9,7 +9,12 @@ tokenizer suite, the browser tests, checks that compile every kernel from scratc
 already covers on the same code, gets `@pytest.mark.slow` (or `pytest.param(..., marks=pytest.mark.slow)` for
 the extra cases of a parametrization).
 
-Real-model fixtures are session-scoped: the default model loads once per test run."""
+The whole suite runs in two worker processes (pytest-xdist, a test file at a time per worker): most of its time is
+Numba compiling kernels on first use, one core per compile, so two compile at once. A file or test named on the
+command line (`pytest tests/test_sampling.py`), `--pdb`, `--trace` or an explicit `-n` runs as asked: in this process,
+where breakpoints work, unless `-n` says otherwise.
+
+Real-model fixtures are session-scoped: the default model loads once per worker."""
 import atexit
 import os
 import shutil
@@ -30,6 +35,20 @@ sys.path.insert(0, str(REPO / "scripts"))
 def pytest_addoption(parser):
     parser.addoption("--full", action="store_true", default=False,
                      help="run every test, including those marked slow (what CI runs)")
+
+
+WORKERS = 2    # the machines this is written for have 2 cores; more workers would compile the same kernels twice
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """The whole suite (no paths given: the `testpaths` of setup.cfg) in WORKERS processes, if pytest-xdist is
+    installed (the test extra) and nothing on the command line asks for one process (a path, -n, --pdb, --trace)."""
+    whole_suite = getattr(config, "args_source", None) == pytest.Config.ArgsSource.TESTPATHS
+    if (whole_suite and config.pluginmanager.hasplugin("xdist") and config.option.numprocesses is None
+            and not config.getoption("usepdb") and not config.getoption("trace")
+            and not os.environ.get("PYTEST_XDIST_WORKER")):
+        config.option.numprocesses, config.option.dist = WORKERS, "loadfile"
 
 
 def pytest_collection_modifyitems(config, items):
