@@ -1,5 +1,7 @@
 """Paged KV cache: allocator invariants (property-based), prefix-cache edge cases, copy-on-write, the batched
 paged-attention kernel against its numpy twin, and the model on a paged cache == on a contiguous one."""
+import os
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -167,6 +169,23 @@ def test_pool_sized_from_memory_and_bytes_per_token():
         parse_bytes("lots")
     with pytest.raises(ValueError, match="exactly one"):
         PagedKVCache(config)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:                            # pages: total, resident, ...
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's /proc/self/statm")
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
+def test_a_new_pool_is_resident_before_any_request_writes_to_it(kv_dtype):
+    """The pool's pages are mapped when it is made (a first write to a fresh huge page can stall a step), so its
+    memory is resident at once: np.zeros alone would leave it unmapped until written."""
+    config = random_model("llama").config
+    before = _resident_bytes()
+    pool = PagedKVCache(config, block_size=16, memory="64MiB", kv_dtype=kv_dtype)
+    assert pool.nbytes > 60 * 2**20 and _resident_bytes() - before >= 0.9 * pool.nbytes
+    assert not pool.k_slots.values.any() if kv_dtype == "int8" else not pool.k_slots.any()   # still zeros
 
 
 def test_paged_waste_is_only_the_partial_last_blocks():

@@ -145,12 +145,17 @@ class QuantizedKV:
         return self.values.astype(np.float32) * scale
 
 
-def kv_storage(shape: tuple, kv_dtype: str):
-    """Zeroed storage for K or V of `shape` [..., KVH, Dh]: a float32 / float16 array, or a QuantizedKV."""
+def kv_storage(shape: tuple, kv_dtype: str, mapped: bool = False):
+    """Zeroed storage for K or V of `shape` [..., KVH, Dh]: a float32 / float16 array, or a QuantizedKV.
+    mapped: write the zeros now, so that the OS maps every page at once (np.zeros leaves that to the first write to
+    each page, and a first write to a huge page can stall the step that makes it for milliseconds)."""
     kv_dtype = check_kv_dtype(kv_dtype)
-    if kv_dtype == "int8":
-        return QuantizedKV.zeros(shape, int8_group(shape[-1]))
-    return np.zeros(shape, dtype=kv_dtype)
+    store = (QuantizedKV.zeros(shape, int8_group(shape[-1])) if kv_dtype == "int8"
+             else np.zeros(shape, dtype=kv_dtype))
+    if mapped:
+        for array in (store.values, store.scales) if kv_dtype == "int8" else (store,):
+            array.fill(0)
+    return store
 
 
 def query_for(kv_dtype: str, q: np.ndarray, group: int | None = None) -> np.ndarray:

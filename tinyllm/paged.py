@@ -281,8 +281,11 @@ class PagedKVCache:
             if num_blocks < 1:
                 raise ValueError(f"KV memory {memory} is less than one block ({self.block_bytes:,} bytes)")
         shape = (L, num_blocks, block_size, KVH, Dh)
-        self.k = kv_storage(shape, self.kv_dtype)           # [L, NB, BS, KVH, Dh]
-        self.v = kv_storage(shape, self.kv_dtype)           # [L, NB, BS, KVH, Dh]
+        # mapped now, as llama.cpp clears its KV buffer: a request reaching fresh blocks of every layer (the first
+        # one: a huge page per layer) would otherwise stall on the page faults, and the step's thread governor
+        # would take that stall for a busy machine and drop to one thread
+        self.k = kv_storage(shape, self.kv_dtype, mapped=True)    # [L, NB, BS, KVH, Dh]
+        self.v = kv_storage(shape, self.kv_dtype, mapped=True)    # [L, NB, BS, KVH, Dh]
         self.k_slots = self.k.reshape(L, num_blocks * block_size, KVH, Dh)   # [L, NB*BS, KVH, Dh] (a view)
         self.v_slots = self.v.reshape(L, num_blocks * block_size, KVH, Dh)
         self.allocator = BlockAllocator(num_blocks, block_size, prefix_caching)
