@@ -469,6 +469,40 @@ def test_sigterm_drains_running_streams_within_the_bound(tiny_path, drain):
             proc.wait()
 
 
+IDLE_SERVER = """
+import signal, sys, threading, time
+sys.path.insert(0, {repo!r})
+import tinyllm
+from tinyllm.server import ServerOptions, build_app, serve
+server = build_app(tinyllm.load({model!r}), ServerOptions(model_name="tiny"), num_blocks=80, block_size=4)
+def signal_on_this_thread():          # what the OS may do with a process's SIGTERM: hand it to any thread
+    server.loop.ready.wait()
+    time.sleep(1.0)                   # the engine thread is idle, waiting for a command
+    signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+threading.Thread(target=signal_on_this_thread, daemon=True).start()
+serve(server, port={port}, log_level="warning")
+print("stopped", flush=True)
+"""
+
+
+def test_an_idle_server_stops_on_a_sigterm_another_thread_took(tiny_path):
+    """Python runs signal handlers on the main thread, where serve() runs the engine: a SIGTERM the OS hands to
+    another thread must still stop a server whose engine waits idle for requests (seen: an idle server that
+    ignored it)."""
+    sock = free_socket()
+    port = sock.getsockname()[1]
+    sock.close()
+    code = IDLE_SERVER.format(repo=str(SERVE.parent.parent), model=str(tiny_path), port=port)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0 and out.decode().strip() == "stopped", err.decode()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 ONE_THREAD_SERVER = """
 import sys, threading
 sys.path.insert(0, {repo!r})

@@ -11,6 +11,11 @@ from ..engine import Engine, RequestOutput
 from .metrics import ServerMetrics
 from .protocol import Job
 
+# An idle engine waits for commands this long at a time. serve() runs it on the main thread, the one where Python
+# runs signal handlers: a SIGTERM the OS hands to another thread (a kernel worker's) only sets a flag, which the
+# main thread reads when it next runs Python, so a wait with no end could ignore it for good.
+IDLE_WAKE_S = 0.5
+
 
 # --- the engine thread ---------------------------------------------------------------------------------------------
 @dataclass
@@ -93,11 +98,11 @@ class EngineLoop:
 
     def _serve(self) -> None:
         while True:
-            # Idle: block on the queue (no spinning). Busy: take whatever arrived, then step.
+            # Idle: block on the queue (no spinning; awake every IDLE_WAKE_S). Busy: take whatever arrived, then step.
             block = not self.engine.has_unfinished()
             while True:
                 try:
-                    command = self.commands.get(block=block)
+                    command = self.commands.get(block=block, timeout=IDLE_WAKE_S if block else None)
                 except queue.Empty:
                     break
                 if command[0] == "stop":
