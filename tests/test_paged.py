@@ -1,6 +1,8 @@
 """Paged KV cache: allocator invariants (property-based), prefix-cache edge cases, copy-on-write, the batched
 paged-attention kernel against its numpy twin, and the model on a paged cache == on a contiguous one."""
+import ctypes
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -171,21 +173,29 @@ def test_pool_sized_from_memory_and_bytes_per_token():
         PagedKVCache(config)
 
 
-def _resident_bytes() -> int:
-    with open("/proc/self/statm") as f:                            # pages: total, resident, ...
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def _resident_fraction(a: np.ndarray) -> float:
+    """The fraction of the pages under array a that are in memory (Linux's mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = os.sysconf("SC_PAGE_SIZE")
+    first = a.ctypes.data // page * page
+    length = a.ctypes.data + a.nbytes - first
+    pages = (ctypes.c_ubyte * ((length + page - 1) // page))()
+    if libc.mincore(ctypes.c_void_p(first), ctypes.c_size_t(length), pages):
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return sum(p & 1 for p in pages) / len(pages)
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads Linux's /proc/self/statm")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="asks Linux's mincore")
 @pytest.mark.parametrize("kv_dtype", ["float32", "int8"])
 def test_a_new_pool_is_resident_before_any_request_writes_to_it(kv_dtype):
-    """The pool's pages are mapped when it is made (a first write to a fresh huge page can stall a step), so its
-    memory is resident at once: np.zeros alone would leave it unmapped until written."""
+    """The pool's pages are mapped when it is made (a first write to a fresh huge page can stall a step): every
+    page of its K and V is in memory at once, where np.zeros alone leaves them unmapped until written."""
     config = random_model("llama").config
-    before = _resident_bytes()
     pool = PagedKVCache(config, block_size=16, memory="64MiB", kv_dtype=kv_dtype)
-    assert pool.nbytes > 60 * 2**20 and _resident_bytes() - before >= 0.9 * pool.nbytes
-    assert not pool.k_slots.values.any() if kv_dtype == "int8" else not pool.k_slots.any()   # still zeros
+    stores = (pool.k, pool.v) if kv_dtype == "float32" else (pool.k.values, pool.k.scales, pool.v.values,
+                                                              pool.v.scales)
+    assert pool.nbytes > 60 * 2**20 and [_resident_fraction(a) for a in stores] == [1.0] * len(stores)
+    assert not any(a.any() for a in stores)                        # still zeros
 
 
 def test_paged_waste_is_only_the_partial_last_blocks():
