@@ -38,8 +38,8 @@ def test_bytes_per_token_of_each_format():
         2 * 2 * 2 * (8 + 2)]                          # int8: 8 values + a float16 scale (one per head: 32 > Dh)
     smol = tinyllm.config.ModelConfig("llama", 49152, 576, 30, 9, 3, 1536, 8192)
     assert [smol.kv_bytes_per_token(d) for d in KV_DTYPES] == [46_080, 23_040, 12_240]
-    for d in KV_DTYPES:                                            # what the caches reserve is what they report
-        cache = random_model("llama").new_cache(10, d)
+    for d in KV_DTYPES:                 # what the caches reserve is what they report (no kernels: sizes only)
+        cache = kv_cache.ContiguousKVCache(config, 10, d)
         assert cache.nbytes == 10 * cache.bytes_per_token == 10 * config.kv_bytes_per_token(d)
         pool = PagedKVCache(config, block_size=4, memory="64KiB", kv_dtype=d)
         assert pool.nbytes == pool.num_blocks * pool.block_bytes <= 64 * 1024 < (pool.num_blocks + 1) * pool.block_bytes
