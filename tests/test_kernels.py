@@ -634,38 +634,56 @@ def test_both_activations_settings_in_one_process_each_run_their_own_threaded_bl
 HELPER_CHECK = """
 import importlib
 import time
-from tinyllm.kernels import block
+import numpy as np
+from test_model import random_model
+from tinyllm.kernels import block, q4_kernels
 warmup = importlib.import_module("tinyllm.kernels.warmup")     # (the package exports the function of that name)
 
-blocks = [["q4_1", False, "float32", [64, 3]]]
-helper = warmup._blocks_in_a_second_process(blocks, "plain")
-assert helper is not None, "an empty cache: the plain blocks go to a second process"
-assert helper.wait(timeout=600) == 0
-assert block.BLOCKS[False]._cache._cache_file._load_index(), "the second process filled the disk cache"
-assert warmup._blocks_in_a_second_process(blocks, "plain") is None, "a warm cache: nothing to hand over"
+def tiny():
+    return random_model("llama", dim=96, ffn_dim=64, n_heads=6, n_kv_heads=2, quant="q4_1", context_length=128)
 
-assert not warmup._threaded_in_the_cache(blocks)
-warmup.warmup((warmup.Q4Block,), heads=(64, 3))    # the threaded blocks: compiling in the background, not waited for
-assert block._plain_only, "this process goes on with the plain blocks"
-waited = 0
-while not warmup._threaded_in_the_cache(blocks) and waited < 600:
+model = tiny()                                                  # warms up: a first run
+blocks = [("q4_1", False, "float32", (model.config.head_dim, model.config.kv_mul))]
+assert q4_kernels.linear_q4._cache._cache_file._load_index(), "the decode kernels came from the second process"
+assert warmup._pending and not block.BLOCKS[False].overloads, "the fused blocks: compiling in the background"
+assert not model.compute.fuses(1) and block._plain_only
+
+ids = np.random.default_rng(3).integers(0, 50, 12)
+reference = tiny()
+reference.fused_decode = False                                  # op by op throughout
+ref_cache, cache = reference.new_cache(128), model.new_cache(128)
+reference.prefill(ids, ref_cache), model.prefill(ids, cache)
+waited, fused_steps = 0, 0
+for token in range(60):                 # decoding goes on op by op until the blocks are in the cache, then fuses
+    fused = model.compute.fuses(1)
+    if not fused and waited < 600 and token > 40:
+        while not model.compute.fuses(1) and waited < 600:
+            time.sleep(1)
+            waited += 1
+        fused = model.compute.fuses(1)
+    fused_steps += fused
+    assert np.abs(model.decode_step(token % 50, cache) - reference.decode_step(token % 50, ref_cache)).max() < 1e-4
+assert fused_steps and block.BLOCKS[False].overloads, "the plain blocks: loaded once the second process made them"
+assert not warmup._pending and block._plain_only, "(the threaded ones are for later runs)"
+while not warmup._in_the_cache(blocks, "threaded") and waited < 900:
     time.sleep(1)
     waited += 1
-assert warmup._threaded_in_the_cache(blocks), "the helper filled the cache: later runs load the threaded blocks"
+assert warmup._in_the_cache(blocks, "threaded"), "the helper filled the cache: later runs load the threaded blocks"
+assert warmup._in_the_cache(blocks, "plain")
 """
 
 
 @pytest.mark.slow
-def test_first_run_compiles_the_blocks_in_second_processes(tmp_path):
-    """On a first run (an empty Numba cache) the plain fused blocks compile in a second process while this one
-    compiles the rest, and this one waits for them; the threaded blocks then compile in another, not waited for:
-    this process runs with the plain blocks, later runs load the threaded ones (warmup.py). A warm cache starts
-    neither."""
+def test_first_run_compiles_in_second_processes_and_fuses_when_the_blocks_are_ready(tmp_path):
+    """On a first run (an empty Numba cache) a second process compiles the decode kernels while this one compiles
+    the prompt kernels, and this one waits for them; the fused blocks then compile in another, not waited for:
+    this process decodes op by op (the same logits) until the plain blocks are in the cache, then loads and runs
+    them; later runs load the threaded ones too (warmup.py)."""
     import os
     import subprocess
     import sys
     from pathlib import Path
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), TINYLLM_COMPILE_HELPER="1")
     r = subprocess.run([sys.executable, "-c", HELPER_CHECK], cwd=Path(__file__).parent, env=env, capture_output=True,
                        text=True, timeout=1500)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -93,7 +93,8 @@ class NumbaBackend:
         return self.kernels.for_rows(n_rows)
 
     def fuses(self, n_rows: int) -> bool:
-        return n_rows <= self.kernels.FUSED_ROWS
+        return n_rows <= self.kernels.FUSED_ROWS and self.kernels.blocks_ready()   # (a first run: op by op until
+                                                                                    # its blocks are compiled)
 
     def decode_blocks(self, model, x: np.ndarray, start: int, cache) -> None:
         """Every block of `model` for the few new tokens x [T, D] (updated in place) at positions start.., one

@@ -37,7 +37,7 @@ from .weight_formats import kernel_weight
 FORMATS = {np.ndarray: None, Int8Channel: "int8", Int8Block: "int8-block", Q4Block: "q4_1",
            Q4KBlock: "q4_k", Q5Block: "q5_0", Q6KBlock: "q6_k"}
 NOTICE_AFTER_S = 1.0    # loading every kernel from the cache takes well under this; compiling takes seconds
-HELPER_TIMEOUT_S = 600  # a second process compiling the plain blocks: given up on (and done here) after this
+HELPER_TIMEOUT_S = 600  # a second process compiling the decode kernels: given up on (and done here) after this
 _threaded_helper = None  # the second process compiling threaded blocks, if this process started one
 _done: set = set()      # what is warm, as tagged tuples: ("linear", fmt, int8_inputs, rows), ("block", fmt,
                         # int8_inputs, kv_dtype, heads), ("attention", kind, kv_dtype, heads), ("paged", kv_dtype,
@@ -94,19 +94,25 @@ def _warm_decode_block(fmt, int8_inputs: bool, kv_dtype: str, heads: tuple, kind
         THREADED_BLOCKS[int8_inputs](*args, new_state(), numba.get_num_threads())
 
 
-def _threaded_in_the_cache(blocks) -> bool:
-    """Whether Numba's disk cache holds the threaded block for every (fmt, int8 activations, kv_dtype, heads) in
-    `blocks` (calling it then loads its code instead of compiling it: ~9 s)."""
+def _in_the_cache(blocks, kind: str) -> bool:
+    """Whether Numba's disk cache holds the fused block of `kind` ("plain", "threaded") for every (fmt, int8
+    activations, kv_dtype, heads) in `blocks` (calling it then loads its code instead of compiling it)."""
     for fmt, int8_inputs, kv_dtype, heads in blocks:
-        if _each_matrix(fmt)[0] is None:                           # fp32 runs the plain block
+        fmt, heads = _spec(fmt, heads)
+        if kind == "threaded" and _each_matrix(fmt)[0] is None:    # fp32 runs the plain block
             continue
-        kernel = THREADED_BLOCKS[int8_inputs]
-        signature = tuple(kernel.typeof_pyval(a) for a in (*_block_arguments(fmt, kv_dtype, tuple(heads)),
-                                                             new_state(), 1))
+        kernel = (THREADED_BLOCKS if kind == "threaded" else BLOCKS)[int8_inputs]
+        extra = (new_state(), 1) if kind == "threaded" else ()
+        signature = tuple(kernel.typeof_pyval(a) for a in (*_block_arguments(fmt, kv_dtype, heads), *extra))
         index = kernel._cache._cache_file._load_index()            # Numba's cache index: (signature, ...) keys
         if signature not in kernel.overloads and not any(key[0] == signature for key in index):
             return False
     return True
+
+
+def _spec(fmt, heads) -> tuple:
+    """A block's format and heads as warmup keys them (tuples; they come as lists from JSON)."""
+    return (tuple(fmt) if isinstance(fmt, list) else fmt), tuple(heads)
 
 
 def _dummy_heads(heads: tuple, kv_dtype: str) -> tuple:
@@ -144,15 +150,43 @@ def _warm_rope() -> None:
         apply_rope(qkv[:, :8].reshape(T, 2, 4), np.ones((T, 2), np.float32), np.ones((T, 2), np.float32))
 
 
+def _warm_ops() -> None:
+    """RMSNorm, RoPE, and SwiGLU for one row and (in parallel) for a batch's."""
+    if ("ops",) not in _done:
+        x = np.ones((1, BLOCK), dtype=np.float32)
+        rmsnorm(x, x[0], 1e-5)
+        _warm_rope()
+        swiglu(np.ones((1, 4), np.float32))
+        swiglu(np.ones((4, 4), np.float32))                        # the parallel form, for batches
+        _done.add(("ops",))
+
+
+def warm_decode_kernels(blocks, head_linears=()) -> None:
+    """The big kernels of a decode step for each (weight format, int8 activations, kv_dtype, heads) in `blocks`:
+    each matrix's one-row linear and decode attention (the fused blocks call them too); and the output head's
+    one-row linear of each (format, int8 activations) in head_linears."""
+    for fmt, int8_inputs, kv_dtype, heads in blocks:
+        fmt, heads = _spec(fmt, heads)
+        for f in _each_matrix(fmt):
+            _warm_linear(f, int8_inputs and f is not None, 1)
+        _warm_attention(kv_dtype, heads, ("decode",))
+    for fmt, int8_inputs in head_linears:
+        _warm_linear(fmt, int8_inputs, 1)
+
+
 def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False, fused: bool = True,
            kv_dtype: str = "float32", heads: tuple = (64, 1)) -> float:
     """Compile (or load from Numba's cache) what a model needs, and nothing else, so that a first run compiles only
     its own format: for its blocks' weight classes (`matrix_types`: classes, or a tuple of four per kind of layer,
     wqkv's, wo's, w_in's, w_out's, where a file mixes formats in a layer) the one-row, tiled and prompt-chunk linears
     and (if `fused`) the one-call block of each kind of layer; for its output head's class (`head_types`) the
-    one-row linear (the head sees one row per sequence: its tiled kernel waits for batches, warmup_paged); all for its activations setting
-    (int8_inputs) and a KV cache of kv_dtype; attention for `heads` (the model's head size and query heads per KV
-    head: kv_rows.py compiles code for them) and the small ops. -> seconds it took."""
+    one-row linear (the head sees one row per sequence: its tiled kernel waits for batches, warmup_paged); all for
+    its activations setting (int8_inputs) and a KV cache of kv_dtype; attention for `heads` (the model's head size
+    and query heads per KV head: kv_rows.py compiles code for them) and the small ops.
+
+    Where the cache lacks this model's fused blocks (a first run), both cores compile: a second process the decode
+    kernels while this one compiles the prompt kernels; then the blocks compile in the background, and this process
+    decodes op by op until it can load them (blocks_ready). -> seconds it took."""
     global _threaded_helper
     t0 = time.perf_counter()
     layers = {_layer_formats(t) for t in matrix_types}
@@ -162,39 +196,67 @@ def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False
     batched = any(key[0] == "paged" for key in _done)                         # a pool exists: heads see batches
     heads = tuple(heads)
     layer_int8 = {fmt: int8_inputs and any(f is not None for f in _each_matrix(fmt)) for fmt in layers}
+    pending = {b for _, waiting in _pending for b in waiting}
     blocks = [(fmt, layer_int8[fmt], kv_dtype, heads) for fmt in layers
-              if fused and FUSED_ROWS and ("block", fmt, layer_int8[fmt], kv_dtype, heads) not in _done]
+              if fused and FUSED_ROWS and ("block", fmt, layer_int8[fmt], kv_dtype, heads) not in _done
+              and (fmt, layer_int8[fmt], kv_dtype, heads) not in pending]
     names = sorted({fmt or "fp32" for fmt in matrices | head_formats})
     what = " and ".join(names) + " weights" + (" with int8 activations" if any(int8_inputs_of.values()) else "")
     with compile_notice(t0, what):
-        helper = _blocks_in_a_second_process(blocks, "plain")
-        if helper is not None:      # meanwhile, what the blocks do not contain (they hold the rest, compiled there)
+        missing = [b for b in blocks if not _in_the_cache([b], "plain")]
+        head_linears = [(fmt, int8_inputs_of[fmt]) for fmt in head_formats - matrices]
+        helper = _in_a_second_process("decode", missing, head_linears) if missing else None
+        if helper is not None:      # meanwhile, the prompt kernels and the small ops here
             _warm_attention(kv_dtype, heads, ("prefill",))
-            _warm_rope()
+            _warm_ops()
             for fmt in matrices:
                 _warm_linear(fmt, int8_inputs_of[fmt], PANEL_MIN_ROWS)
-            for fmt in head_formats - matrices:
-                _warm_linear(fmt, int8_inputs_of[fmt], 1)
             _wait(helper)
         for fmt in int8_inputs_of:  # then the rest: loaded from the cache where the helper compiled it
             for rows in (1, TILE_MIN_ROWS, PANEL_MIN_ROWS) if fmt in matrices or batched else (1,):
                 _warm_linear(fmt, int8_inputs_of[fmt], rows)
         _warm_attention(kv_dtype, heads)
-        if ("ops",) not in _done:
-            x = np.ones((1, BLOCK), dtype=np.float32)
-            rmsnorm(x, x[0], 1e-5)
-            _warm_rope()
-            swiglu(np.ones((1, 4), np.float32))
-            swiglu(np.ones((4, 4), np.float32))                    # the parallel form, for batches
-            _done.add(("ops",))
-        if _threaded_helper is None and not _threaded_in_the_cache(blocks):   # (one helper per process at most,
-            _threaded_helper = _blocks_in_a_second_process(blocks, "threaded")   # and per machine, by a lock file)
+        _warm_ops()
+        later = []
+        if helper is not None:      # the missing blocks: compiled in the background, loaded when they are ready
+            background = _in_a_second_process(("plain", "threaded"), missing)
+            if background is not None:
+                _pending.append((background, missing))
+                later = missing
+                plain_blocks_only()   # (the threaded ones are for later runs)
+        now = [b for b in blocks if b not in later]
+        if now and _threaded_helper is None and not _in_the_cache(now, "threaded"):   # (one helper per process
+            _threaded_helper = _in_a_second_process(("threaded",), now)               # at most, and per machine)
         if _threaded_helper is None:
-            compile_blocks(blocks, ("plain", "threaded"))
+            compile_blocks(now, ("plain", "threaded"))
         else:                       # being compiled by a second process: this one goes on with the plain blocks
-            compile_blocks(blocks, ("plain",))
+            compile_blocks(now, ("plain",))
             plain_blocks_only()
     return time.perf_counter() - t0
+
+
+_pending: list = []     # (process, blocks): fused blocks that a second process is compiling for this one to load
+LOOK_EVERY_S = 1.0      # how often blocks_ready looks in the cache for them
+_next_look = 0.0
+
+
+def blocks_ready() -> bool:
+    """Whether the fused blocks may run: yes, unless warmup left some to compile in a second process (a first run;
+    this process decodes op by op meanwhile). Once that process has put the plain ones in the disk cache, they are
+    loaded here (not compiled), and run from then on. Looks in the cache once every LOOK_EVERY_S at most."""
+    global _next_look
+    if not _pending:
+        return True
+    now = time.monotonic()
+    if now < _next_look:
+        return False
+    _next_look = now + LOOK_EVERY_S
+    waiting = [b for _, blocks in _pending for b in blocks]
+    if not _in_the_cache(waiting, "plain"):
+        return False
+    compile_blocks(waiting, ("plain",))
+    _pending.clear()
+    return True
 
 
 def _wait(helper) -> None:
@@ -208,40 +270,38 @@ def compile_blocks(blocks, kinds=("plain", "threaded")) -> None:
     """Compile (or load) the fused blocks of `kinds` for each (weight format, int8 activations, kv_dtype, heads) in
     `blocks`."""
     for fmt, int8_inputs, kv_dtype, heads in blocks:
-        heads = tuple(heads)                                          # (lists when they came as JSON)
-        fmt = tuple(fmt) if isinstance(fmt, list) else fmt
+        fmt, heads = _spec(fmt, heads)
         _warm_decode_block(fmt, int8_inputs, kv_dtype, heads, kinds)
         if len(kinds) == 2:
             _done.add(("block", fmt, int8_inputs, kv_dtype, heads))
 
 
-def _blocks_in_a_second_process(blocks, kind: str):
-    """Compile fused blocks of one kind in a second process: Numba compiles one function at a time per process.
-    The plain blocks (which hold most kernels) compile there on a first run (their cache empty) while this process
-    compiles the rest, and it waits for them; the threaded blocks (a whole block in one parallel region: ~9 s to
-    compile), whenever the cache lacks one this model needs, at the lowest priority and not waited for: this
-    process runs with the plain blocks, later runs load the threaded ones. -> the process, or None (a warm cache,
-    one core, or no way to start it: this process compiles everything itself)."""
+def _in_a_second_process(task, blocks, head_linears=()):
+    """Compile for `blocks` in a second process (Numba compiles one function at a time per process): task "decode",
+    their decode kernels and head_linears' (warm_decode_kernels; waited for, while this process compiles the prompt
+    kernels), or a tuple of fused block kinds ("plain", "threaded"), at the lowest priority and not waited for (at
+    most one such process per machine for the same blocks, by a lock file). -> the process, _ELSEWHERE (another
+    process holds the lock: it will fill the cache), or None (one core, TINYLLM_COMPILE_HELPER=0, or no way to
+    start it: this process compiles it all)."""
     if not blocks or (os.cpu_count() or 1) < 2 or os.environ.get("TINYLLM_COMPILE_HELPER", "1") == "0":
         return None
     try:
-        if kind == "plain" and any(BLOCKS[int8_inputs]._cache._cache_file._load_index()      # (Numba's cache index)
-                                   for _, int8_inputs, _, _ in blocks):
-            return None
         root = Path(__file__).resolve().parents[2]                   # the folder holding this tinyllm package
+        background = task != "decode"
         lock = ""
-        if kind == "threaded":      # another process compiling these already: it will fill the cache
+        if background:
             lock = _claim(root, blocks)
             if lock is None:
                 return _ELSEWHERE
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p))
-        code = ("import json, os, sys\nfrom tinyllm.kernels.warmup import compile_blocks\n"
-                "compile_blocks(json.loads(sys.argv[1]), (sys.argv[2],))\n"
-                "if sys.argv[3]:\n    os.remove(sys.argv[3])")
-        background = kind == "threaded" and hasattr(os, "nice")     # at the lowest priority: not in the way of
-        return subprocess.Popen([sys.executable, "-c", code, json.dumps(blocks), kind, lock], env=env,   # this
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,                    # run's threads
-                                preexec_fn=(lambda: os.nice(19)) if background else None)
+        code = ("import json, os, sys\nfrom tinyllm.kernels.warmup import compile_blocks, warm_decode_kernels\n"
+                "task, blocks, heads = (json.loads(a) for a in sys.argv[1:4])\n"
+                "warm_decode_kernels(blocks, heads) if task == 'decode' else compile_blocks(blocks, tuple(task))\n"
+                "if sys.argv[4]:\n    os.remove(sys.argv[4])")
+        background = background and hasattr(os, "nice")             # at the lowest priority: not in the way of
+        arguments = [*map(json.dumps, (task, blocks, head_linears)), lock]                   # this run's threads
+        return subprocess.Popen([sys.executable, "-c", code, *arguments], env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, preexec_fn=(lambda: os.nice(19)) if background else None)
     except (AttributeError, OSError):
         return None
 
@@ -251,10 +311,10 @@ LOCK_STALE_S = 900      # a helper's lock file older than this: the helper died;
 
 
 def _claim(root: Path, blocks) -> str | None:
-    """A lock file for compiling these threaded blocks (one per machine, package and Numba cache) -> its path, or
+    """A lock file for compiling these fused blocks (one per machine, package and Numba cache) -> its path, or
     None if another process holds a fresh one."""
     key = json.dumps([str(root), sys.executable, os.environ.get("NUMBA_CACHE_DIR", ""), blocks])
-    path = Path(tempfile.gettempdir()) / f"tinyllm-threaded-{hashlib.sha1(key.encode()).hexdigest()[:16]}.lock"
+    path = Path(tempfile.gettempdir()) / f"tinyllm-blocks-{hashlib.sha1(key.encode()).hexdigest()[:16]}.lock"
     for _ in range(2):
         try:
             os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
