@@ -109,6 +109,7 @@ def main(argv=None) -> int:
     cases = {"mapped": env, "converting": dict(env, TINYLLM_CONVERTED="off")}
     for quant in args.quant:                                        # fill both caches, and the page cache
         run_once(quant, env)
+        wait_for_background_compiles()
     floor_once(scratch)                                             # fills the floor's cache
     walls, floor = {(q, case): [] for q in args.quant for case in cases}, []
     for _ in range(args.runs):

@@ -163,12 +163,14 @@ def _warm_ops() -> None:
 
 def warm_decode_kernels(blocks, head_linears=()) -> None:
     """The big kernels of a decode step for each (weight format, int8 activations, kv_dtype, heads) in `blocks`:
-    each matrix's one-row linear and decode attention (the fused blocks call them too); and the output head's
-    one-row linear of each (format, int8 activations) in head_linears."""
+    each matrix's linears of one row and, with float activations, of a few (a verification pass: the float tiles;
+    int8 activations take the prompt chunk's integer tiles there), and decode attention (the fused blocks call them
+    too); and the output head's one-row linear of each (format, int8 activations) in head_linears."""
     for fmt, int8_inputs, kv_dtype, heads in blocks:
         fmt, heads = _spec(fmt, heads)
         for f in _each_matrix(fmt):
-            _warm_linear(f, int8_inputs and f is not None, 1)
+            for rows in (1,) if int8_inputs else (1, TILE_MIN_ROWS):
+                _warm_linear(f, int8_inputs and f is not None, rows)
         _warm_attention(kv_dtype, heads, ("decode",))
     for fmt, int8_inputs in head_linears:
         _warm_linear(fmt, int8_inputs, 1)
