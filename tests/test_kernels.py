@@ -633,6 +633,7 @@ def test_both_activations_settings_in_one_process_each_run_their_own_threaded_bl
 
 HELPER_CHECK = """
 import importlib
+import json
 import time
 import numpy as np
 from test_model import random_model
@@ -670,6 +671,7 @@ while not warmup._in_the_cache(blocks, "threaded") and waited < 900:
     waited += 1
 assert warmup._in_the_cache(blocks, "threaded"), "the helper filled the cache: later runs load the threaded blocks"
 assert warmup._in_the_cache(blocks, "plain")
+print(json.dumps(blocks))
 """
 
 
@@ -686,6 +688,12 @@ def test_first_run_compiles_in_second_processes_and_fuses_when_the_blocks_are_re
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), TINYLLM_COMPILE_HELPER="1")
     r = subprocess.run([sys.executable, "-c", HELPER_CHECK], cwd=Path(__file__).parent, env=env, capture_output=True,
                        text=True, timeout=1500)
+    assert r.returncode == 0, r.stderr[-3000:]
+    # a process that has run no parallel kernel loads the plain blocks from that cache (as a helper may): with
+    # Numba's threading layer not started, calling one crashed
+    load = f"from tinyllm.kernels.warmup import compile_blocks; compile_blocks({r.stdout.strip()}, ('plain',))"
+    r = subprocess.run([sys.executable, "-c", load.replace("false", "False")], env=env, capture_output=True,
+                       text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
 
 

@@ -271,7 +271,8 @@ def _wait(helper) -> None:
 def compile_blocks(blocks, kinds=("plain", "threaded")) -> None:
     """Compile (or load) the fused blocks of `kinds` for each (weight format, int8 activations, kv_dtype, heads) in
     `blocks`."""
-    for fmt, int8_inputs, kv_dtype, heads in blocks:
+    numba.get_num_threads()     # (starts Numba's threading layer: a plain block loaded from the cache crashed when
+    for fmt, int8_inputs, kv_dtype, heads in blocks:        # it ran before any parallel kernel had in the process)
         fmt, heads = _spec(fmt, heads)
         _warm_decode_block(fmt, int8_inputs, kv_dtype, heads, kinds)
         if len(kinds) == 2:
