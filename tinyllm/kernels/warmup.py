@@ -271,8 +271,9 @@ def _wait(helper) -> None:
 def compile_blocks(blocks, kinds=("plain", "threaded")) -> None:
     """Compile (or load) the fused blocks of `kinds` for each (weight format, int8 activations, kv_dtype, heads) in
     `blocks`."""
-    numba.get_num_threads()     # (starts Numba's threading layer: a plain block loaded from the cache crashed when
-    for fmt, int8_inputs, kv_dtype, heads in blocks:        # it ran before any parallel kernel had in the process)
+    # Numba's threading layer first: a plain block loaded from the cache crashed if no parallel kernel had run yet
+    numba.get_num_threads()
+    for fmt, int8_inputs, kv_dtype, heads in blocks:
         fmt, heads = _spec(fmt, heads)
         _warm_decode_block(fmt, int8_inputs, kv_dtype, heads, kinds)
         if len(kinds) == 2:
