@@ -37,6 +37,18 @@ def cpu_flags() -> set[str]:
     return set(found.group(1).split()) if found else set()
 
 
+def wait_for_background_compiles(timeout: float = 300.0) -> None:
+    """Wait while a first run's fused blocks still compile in the background (tinyllm/kernels/warmup.py: its helper
+    holds a lock file while it compiles; older checkouts named it tinyllm-threaded-*), so that they do not share the
+    cores with the next measurement."""
+    import tempfile
+    import time
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(Path(tempfile.gettempdir()).glob(pattern) for pattern in (
+            "tinyllm-blocks-*.lock", "tinyllm-threaded-*.lock")):
+        time.sleep(0.5)
+
+
 def machine_info() -> dict:
     """CPU model and instruction set, cores, and the versions that decide speed."""
     import numba

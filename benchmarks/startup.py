@@ -30,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from report import machine_info, machine_line, write_json  # noqa: E402
+from report import machine_info, machine_line, wait_for_background_compiles, write_json  # noqa: E402
 
 COMMAND = [sys.executable, str(ROOT / "scripts" / "generate.py"), "--prompt", "Hi", "--max-new-tokens", "1",
            "--json"]
@@ -76,14 +76,6 @@ def run_once(quant: str, env: dict) -> dict:
     if proc.returncode:
         raise SystemExit(f"startup.py: {quant} run failed: {err.strip().splitlines()[-1:]}")
     return dict(wall_s=wall, stderr=err, stdout=out)
-
-
-def wait_for_background_compiles(timeout: float = 300.0) -> None:
-    """Wait while a first run's fused blocks are still compiling in the background (kernels/warmup.py: its helper
-    holds a lock file while it compiles), so that they do not share the cores with the next measurement."""
-    deadline = time.monotonic() + timeout
-    while list(Path(tempfile.gettempdir()).glob("tinyllm-blocks-*.lock")) and time.monotonic() < deadline:
-        time.sleep(0.5)
 
 
 def peak_rss_mib(quant: str, env: dict) -> float:
