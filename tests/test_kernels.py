@@ -689,6 +689,7 @@ def test_first_run_compiles_in_second_processes_and_fuses_when_the_blocks_are_re
     r = subprocess.run([sys.executable, "-c", HELPER_CHECK], cwd=Path(__file__).parent, env=env, capture_output=True,
                        text=True, timeout=1500)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "(the fused decode blocks go on in the background: until then, decoding is slower)" in r.stderr, r.stderr
     # a process that has run no parallel kernel loads the plain blocks from that cache (as a helper may): with
     # Numba's threading layer not started, calling one crashed
     load = f"from tinyllm.kernels.warmup import compile_blocks; compile_blocks({r.stdout.strip()}, ('plain',))"

@@ -17,6 +17,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import numba
 import numpy as np
@@ -204,7 +205,7 @@ def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False
               and (fmt, layer_int8[fmt], kv_dtype, heads) not in pending]
     names = sorted({fmt or "fp32" for fmt in matrices | head_formats})
     what = " and ".join(names) + " weights" + (" with int8 activations" if any(int8_inputs_of.values()) else "")
-    with compile_notice(t0, what):
+    with compile_notice(t0, what) as notice:
         missing = [b for b in blocks if not _in_the_cache([b], "plain")]
         head_linears = [(fmt, int8_inputs_of[fmt]) for fmt in head_formats - matrices]
         helper = _in_a_second_process("decode", missing, head_linears) if missing else None
@@ -226,6 +227,7 @@ def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False
                 _pending.append((background, missing))
                 later = missing
                 plain_blocks_only()   # (the threaded ones are for later runs)
+                notice.later = " (the fused decode blocks go on in the background: until then, decoding is slower)"
         now = [b for b in blocks if b not in later]
         if now and _threaded_helper is None and not _in_the_cache(now, "threaded"):   # (one helper per process
             _threaded_helper = _in_a_second_process(("threaded",), now)               # at most, and per machine)
@@ -369,8 +371,9 @@ def nothing_cached() -> bool:
 def compile_notice(t0: float, what: str = "this model", after: float = NOTICE_AFTER_S):
     """Say on stderr that kernels are being compiled, and for what, when loading them takes longer than `after`
     seconds (the cache lacks them: a fresh install, or weights of a format this install has not run before), and
-    how long it took at the end. A warm start prints nothing."""
-    shown = threading.Event()
+    how long it took at the end, with what the body adds to `.later` (what goes on compiling in the background). A
+    warm start prints nothing."""
+    shown, said = threading.Event(), SimpleNamespace(later="")
     why = "a fresh install's first run" if nothing_cached() else "the first run with these"
 
     def notice():
@@ -381,8 +384,9 @@ def compile_notice(t0: float, what: str = "this model", after: float = NOTICE_AF
     timer.daemon = True
     timer.start()
     try:
-        yield
+        yield said
     finally:
         timer.cancel()
         if shown.is_set():
-            print(f"tinyllm: kernels compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+            print(f"tinyllm: kernels compiled in {time.perf_counter() - t0:.1f} s{said.later}", file=sys.stderr,
+                  flush=True)
