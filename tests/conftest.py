@@ -28,10 +28,9 @@ REPO = Path(__file__).resolve().parent.parent
 # Converted models (tinyllm/converted.py) go to a folder of this run, not the user's cache, and are deleted after.
 os.environ["TINYLLM_CONVERTED"] = tempfile.mkdtemp(prefix="tinyllm-test-cache-")
 atexit.register(shutil.rmtree, os.environ["TINYLLM_CONVERTED"], ignore_errors=True)
-# Kernels compile in the process that needs them: its fused blocks run as soon as a model is warm, as tests of the
-# fused step expect (the suite's two workers keep both cores compiling). The first run's second processes
-# (kernels/warmup.py) have a test of their own, which turns them on.
-os.environ["TINYLLM_COMPILE_HELPER"] = "0"
+# A model's fused blocks run as soon as it is warm, as tests of the fused step expect: warm-up compiles them instead
+# of leaving them to a background process (kernels/warmup.py; that flow has a test of its own, which turns it on).
+os.environ["TINYLLM_WAIT_FOR_BLOCKS"] = "1"
 # scripts/reference.py (the independent reference: tokenizers + transformers) is importable from tests.
 sys.path.insert(0, str(REPO / "scripts"))
 

@@ -685,7 +685,7 @@ def test_first_run_compiles_in_second_processes_and_fuses_when_the_blocks_are_re
     import subprocess
     import sys
     from pathlib import Path
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), TINYLLM_COMPILE_HELPER="1")
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), TINYLLM_COMPILE_HELPER="1", TINYLLM_WAIT_FOR_BLOCKS="0")
     r = subprocess.run([sys.executable, "-c", HELPER_CHECK], cwd=Path(__file__).parent, env=env, capture_output=True,
                        text=True, timeout=1500)
     assert r.returncode == 0, r.stderr[-3000:]
