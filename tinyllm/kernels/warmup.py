@@ -162,11 +162,12 @@ def _warm_ops() -> None:
         _done.add(("ops",))
 
 
-def warm_decode_kernels(blocks, head_linears=()) -> None:
+def warm_decode_kernels(blocks, head_linears=(), ops: bool = False) -> None:
     """The big kernels of a decode step for each (weight format, int8 activations, kv_dtype, heads) in `blocks`:
     each matrix's linears of one row and, with float activations, of a few (a verification pass: the float tiles;
     int8 activations take the prompt chunk's integer tiles there), and decode attention (the fused blocks call them
-    too); and the output head's one-row linear of each (format, int8 activations) in head_linears."""
+    too); the output head's one-row linear of each (format, int8 activations) in head_linears; the small ops if
+    `ops`."""
     for fmt, int8_inputs, kv_dtype, heads in blocks:
         fmt, heads = _spec(fmt, heads)
         for f in _each_matrix(fmt):
@@ -175,6 +176,8 @@ def warm_decode_kernels(blocks, head_linears=()) -> None:
         _warm_attention(kv_dtype, heads, ("decode",))
     for fmt, int8_inputs in head_linears:
         _warm_linear(fmt, int8_inputs, 1)
+    if ops:
+        _warm_ops()
 
 
 def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False, fused: bool = True,
@@ -208,10 +211,14 @@ def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False
     with compile_notice(t0, what) as notice:
         missing = [b for b in blocks if not _in_the_cache([b], "plain")]
         head_linears = [(fmt, int8_inputs_of[fmt]) for fmt in head_formats - matrices]
-        helper = _in_a_second_process("decode", missing, head_linears) if missing else None
-        if helper is not None:      # meanwhile, the prompt kernels and the small ops here
+        # the small ops on the side with less to do: the helper's with int8 activations (a prompt chunk's integer
+        # tiles take longer to compile than the float ones), else this one's
+        ops_there = any(int8 for _, int8, _, _ in missing)
+        helper = _in_a_second_process("decode", missing, head_linears, ops_there) if missing else None
+        if helper is not None:      # meanwhile, the prompt kernels here
             _warm_attention(kv_dtype, heads, ("prefill",))
-            _warm_ops()
+            if not ops_there:
+                _warm_ops()
             for fmt in matrices:
                 _warm_linear(fmt, int8_inputs_of[fmt], PANEL_MIN_ROWS)
             _wait(helper)
@@ -284,13 +291,13 @@ def compile_blocks(blocks, kinds=("plain", "threaded")) -> None:
             _done.add(("block", fmt, int8_inputs, kv_dtype, heads))
 
 
-def _in_a_second_process(task, blocks, head_linears=()):
+def _in_a_second_process(task, blocks, head_linears=(), ops: bool = False):
     """Compile for `blocks` in a second process (Numba compiles one function at a time per process): task "decode",
-    their decode kernels and head_linears' (warm_decode_kernels; waited for, while this process compiles the prompt
-    kernels), or a tuple of fused block kinds ("plain", "threaded"), at the lowest priority and not waited for (at
-    most one such process per machine for the same blocks, by a lock file). -> the process, _ELSEWHERE (another
-    process holds the lock: it will fill the cache), or None (one core, TINYLLM_COMPILE_HELPER=0, or no way to
-    start it: this process compiles it all)."""
+    their decode kernels, head_linears' and (if `ops`) the small ops (warm_decode_kernels; waited for, while this
+    process compiles the prompt kernels), or a tuple of fused block kinds ("plain", "threaded"), at the lowest
+    priority and not waited for (at most one such process per machine for the same blocks, by a lock file). -> the
+    process, _ELSEWHERE (another process holds the lock: it will fill the cache), or None (one core,
+    TINYLLM_COMPILE_HELPER=0, or no way to start it: this process compiles it all)."""
     if not blocks or (os.cpu_count() or 1) < 2 or os.environ.get("TINYLLM_COMPILE_HELPER", "1") == "0":
         return None
     try:
@@ -303,11 +310,11 @@ def _in_a_second_process(task, blocks, head_linears=()):
                 return _ELSEWHERE
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p))
         code = ("import json, os, sys\nfrom tinyllm.kernels.warmup import compile_blocks, warm_decode_kernels\n"
-                "task, blocks, heads = (json.loads(a) for a in sys.argv[1:4])\n"
-                "warm_decode_kernels(blocks, heads) if task == 'decode' else compile_blocks(blocks, tuple(task))\n"
-                "if sys.argv[4]:\n    os.remove(sys.argv[4])")
+                "task, blocks, heads, ops = (json.loads(a) for a in sys.argv[1:5])\n"
+                "warm_decode_kernels(blocks, heads, ops) if task == 'decode' else compile_blocks(blocks, tuple(task))\n"
+                "if sys.argv[5]:\n    os.remove(sys.argv[5])")
         background = background and hasattr(os, "nice")             # at the lowest priority: not in the way of
-        arguments = [*map(json.dumps, (task, blocks, head_linears)), lock]                   # this run's threads
+        arguments = [*map(json.dumps, (task, blocks, head_linears, ops)), lock]              # this run's threads
         return subprocess.Popen([sys.executable, "-c", code, *arguments], env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, preexec_fn=(lambda: os.nice(19)) if background else None)
     except (AttributeError, OSError):
