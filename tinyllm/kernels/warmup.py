@@ -316,7 +316,8 @@ def _in_a_second_process(task, blocks, head_linears=(), ops: bool = False):
         background = background and hasattr(os, "nice")             # at the lowest priority: not in the way of
         arguments = [*map(json.dumps, (task, blocks, head_linears, ops)), lock]              # this run's threads
         return subprocess.Popen([sys.executable, "-c", code, *arguments], env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, preexec_fn=(lambda: os.nice(19)) if background else None)
+                                stderr=subprocess.DEVNULL, preexec_fn=(lambda: os.nice(19)) if background else None,
+                                start_new_session=task != "decode")   # (a Ctrl-C of this run: it goes on)
     except (AttributeError, OSError):
         return None
 
