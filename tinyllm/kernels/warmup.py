@@ -202,10 +202,9 @@ def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False
     batched = any(key[0] == "paged" for key in _done)                         # a pool exists: heads see batches
     heads = tuple(heads)
     layer_int8 = {fmt: int8_inputs and any(f is not None for f in _each_matrix(fmt)) for fmt in layers}
-    pending = {b for _, waiting in _pending for b in waiting}
     blocks = [(fmt, layer_int8[fmt], kv_dtype, heads) for fmt in layers
               if fused and FUSED_ROWS and ("block", fmt, layer_int8[fmt], kv_dtype, heads) not in _done
-              and (fmt, layer_int8[fmt], kv_dtype, heads) not in pending]
+              and (fmt, layer_int8[fmt], kv_dtype, heads) not in _pending]
     names = sorted({fmt or "fp32" for fmt in matrices | head_formats})
     what = " and ".join(names) + " weights" + (" with int8 activations" if any(int8_inputs_of.values()) else "")
     with compile_notice(t0, what) as notice:
@@ -233,7 +232,7 @@ def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False
         if helper is not None and os.environ.get("TINYLLM_WAIT_FOR_BLOCKS", "0") == "0":
             background = _in_a_second_process(("plain", "threaded"), missing)
             if background is not None:
-                _pending.append((background, missing))
+                _pending.extend(missing)
                 later = missing
                 plain_blocks_only()   # (the threaded ones are for later runs)
                 notice.later = " (the fused decode blocks go on in the background: until then, decoding is slower)"
@@ -248,7 +247,7 @@ def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False
     return time.perf_counter() - t0
 
 
-_pending: list = []     # (process, blocks): fused blocks that a second process is compiling for this one to load
+_pending: list = []     # fused blocks that a second process is compiling, for this one to load when they are ready
 LOOK_EVERY_S = 1.0      # how often blocks_ready looks in the cache for them
 _next_look = 0.0
 
@@ -264,10 +263,9 @@ def blocks_ready() -> bool:
     if now < _next_look:
         return False
     _next_look = now + LOOK_EVERY_S
-    waiting = [b for _, blocks in _pending for b in blocks]
-    if not _in_the_cache(waiting, "plain"):
+    if not _in_the_cache(_pending, "plain"):
         return False
-    compile_blocks(waiting, ("plain",))
+    compile_blocks(_pending, ("plain",))
     _pending.clear()
     return True
 
@@ -302,7 +300,7 @@ def _in_a_second_process(task, blocks, head_linears=(), ops: bool = False):
         return None
     try:
         root = Path(__file__).resolve().parents[2]                   # the folder holding this tinyllm package
-        background = task != "decode"
+        background = task != "decode"          # the blocks: not waited for, and not stopped by this run's Ctrl-C
         lock = ""
         if background:
             lock = _claim(root, blocks)
@@ -313,11 +311,11 @@ def _in_a_second_process(task, blocks, head_linears=(), ops: bool = False):
                 "task, blocks, heads, ops = (json.loads(a) for a in sys.argv[1:5])\n"
                 "warm_decode_kernels(blocks, heads, ops) if task == 'decode' else compile_blocks(blocks, tuple(task))\n"
                 "if sys.argv[5]:\n    os.remove(sys.argv[5])")
-        background = background and hasattr(os, "nice")             # at the lowest priority: not in the way of
-        arguments = [*map(json.dumps, (task, blocks, head_linears, ops)), lock]              # this run's threads
+        lowest = background and hasattr(os, "nice")                 # (at the lowest priority: not in the way of
+        arguments = [*map(json.dumps, (task, blocks, head_linears, ops)), lock]             # this run's threads)
         return subprocess.Popen([sys.executable, "-c", code, *arguments], env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, preexec_fn=(lambda: os.nice(19)) if background else None,
-                                start_new_session=task != "decode")   # (a Ctrl-C of this run: it goes on)
+                                stderr=subprocess.DEVNULL, preexec_fn=(lambda: os.nice(19)) if lowest else None,
+                                start_new_session=background)
     except (AttributeError, OSError):
         return None
 
