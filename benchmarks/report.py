@@ -44,7 +44,7 @@ def wait_for_background_compiles(timeout: float = 300.0) -> None:
     import tempfile
     import time
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(Path(tempfile.gettempdir()).glob(pattern) for pattern in (
+    while time.monotonic() < deadline and any(any(Path(tempfile.gettempdir()).glob(pattern)) for pattern in (
             "tinyllm-blocks-*.lock", "tinyllm-threaded-*.lock")):
         time.sleep(0.5)
 
