@@ -37,6 +37,13 @@ def cpu_flags() -> set[str]:
     return set(found.group(1).split()) if found else set()
 
 
+def decode_fused_from_the_first_step() -> None:
+    """Set TINYLLM_WAIT_FOR_BLOCKS=1 for this process and those it starts: warm-up then compiles a model's fused
+    decode blocks before it returns, where they are not in Numba's cache yet; by default a first run decodes op by
+    op while they compile in the background (tinyllm/kernels/warmup.py), and a benchmark would time that."""
+    os.environ.setdefault("TINYLLM_WAIT_FOR_BLOCKS", "1")
+
+
 def wait_for_background_compiles(timeout: float = 300.0) -> None:
     """Wait while a first run's fused blocks still compile in the background (tinyllm/kernels/warmup.py: its helper
     holds a lock file while it compiles; older checkouts named it tinyllm-threaded-*), so that they do not share the
