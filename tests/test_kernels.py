@@ -703,6 +703,79 @@ def test_first_run_compiles_in_second_processes_and_fuses_when_the_blocks_are_re
     assert r.returncode == 0, r.stderr[-3000:]
 
 
+def _lock_in(tmp_path, monkeypatch, holder: str, age_s: float = 0.0) -> Path:
+    """A fused blocks' lock file in tmp_path (as the temporary folder) naming `holder`, its mtime age_s ago."""
+    import importlib
+    import os
+    import tempfile
+    import time
+    warmup = importlib.import_module("tinyllm.kernels.warmup")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    path = warmup._lock_path([["q4_1", False, "float32", [64, 3]]])
+    path.write_text(holder)
+    os.utime(path, (time.time() - age_s, time.time() - age_s))
+    return path
+
+
+def test_a_compile_lock_is_taken_over_when_its_holder_is_gone(tmp_path, monkeypatch):
+    """The lock of a background compile of fused blocks (one per machine) names the helper's pid: a lock whose
+    process died (SIGKILL, the out-of-memory killer: it never removed its file), or is a zombie, or that is older
+    than LOCK_STALE_S is taken over at once; a live holder's, or one too new to name its holder yet, is not. Before,
+    a dead helper's lock held every run off the blocks for 15 minutes, each decoding op by op."""
+    import importlib
+    import subprocess
+    import time
+    warmup = importlib.import_module("tinyllm.kernels.warmup")
+    blocks = [["q4_1", False, "float32", [64, 3]]]
+    reaped = subprocess.Popen(["true"])
+    reaped.wait()
+    dead = reaped.pid                                                   # (exited and reaped)
+    zombie = subprocess.Popen(["true"])                                 # exits; not reaped until .wait()
+    living = subprocess.Popen(["sleep", "30"])
+    try:
+        while Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            time.sleep(0.01)
+        for holder, age, held in [(str(dead), 0, False), (str(zombie.pid), 0, False), (str(living.pid), 0, True),
+                                  (str(living.pid), warmup.LOCK_STALE_S + 1, False), ("", 0, True),
+                                  ("", warmup.UNWRITTEN_S + 1, False)]:
+            path = _lock_in(tmp_path, monkeypatch, holder, age)
+            assert warmup._held(path) == held, (holder, age)
+            claimed = warmup._claim(blocks)
+            assert (claimed is None) == held, (holder, age)
+            assert path.exists() and (held or path.read_text() == ""), "taken over: a new, empty lock file"
+        path.unlink()
+        assert not warmup._held(path) and warmup._claim(blocks) == str(path)
+    finally:
+        living.kill(), living.wait(), zombie.wait()
+
+
+def test_a_waiting_process_starts_the_background_compile_again_if_its_helper_died(tmp_path, monkeypatch):
+    """A process decoding op by op while a helper compiles its fused blocks looks for them once a second; if the
+    helper died without filling the cache, it starts another (once: a helper that fails every time is not started
+    forever), else it would decode op by op for the rest of its life (a server: for days)."""
+    import importlib
+    import subprocess
+    warmup = importlib.import_module("tinyllm.kernels.warmup")
+    group = [("q4_1", False, "float32", (64, 3))]
+    started = []
+    monkeypatch.setattr(warmup, "_pending", list(group))
+    monkeypatch.setattr(warmup, "_pending_groups", [group])
+    monkeypatch.setattr(warmup, "_restarts_left", 1)
+    monkeypatch.setattr(warmup, "_in_the_cache", lambda blocks, kind: False)
+    monkeypatch.setattr(warmup, "_in_a_second_process", lambda task, blocks: started.append((task, blocks)))
+    living = subprocess.Popen(["sleep", "30"])
+    try:
+        path = _lock_in(tmp_path, monkeypatch, str(living.pid))
+        monkeypatch.setattr(warmup, "_next_look", 0.0)
+        assert not warmup.blocks_ready() and not started, "its helper is alive: it waits"
+    finally:
+        living.kill(), living.wait()
+    for _ in range(2):
+        monkeypatch.setattr(warmup, "_next_look", 0.0)
+        assert not warmup.blocks_ready()
+    assert started == [(("plain", "threaded"), group)], "the helper died: started again, once"
+
+
 def test_a_model_compiles_only_its_own_kernels():
     """A q4_1 model with float activations warms the 4-bit float kernels and its 8-bit head's one-row kernel (the
     tiled one waits for a paged pool: batches), not the integer kernels of int8 activations: a first run compiles

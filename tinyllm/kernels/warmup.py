@@ -233,6 +233,7 @@ def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False
             background = _in_a_second_process(("plain", "threaded"), missing)
             if background is not None:
                 _pending.extend(missing)
+                _pending_groups.append(missing)
                 later = missing
                 plain_blocks_only()   # (the threaded ones are for later runs)
                 notice.later = " (the fused decode blocks go on in the background: until then, decoding is slower)"
@@ -248,6 +249,9 @@ def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False
 
 
 _pending: list = []     # fused blocks that a second process is compiling, for this one to load when they are ready
+_pending_groups: list = []   # the same blocks as the lists given to the second processes (each has its own lock)
+RESTARTS = 1            # how often a process starts the background compile again if its helper died
+_restarts_left = RESTARTS
 LOOK_EVERY_S = 1.0      # how often blocks_ready looks in the cache for them
 _next_look = 0.0
 
@@ -264,10 +268,23 @@ def blocks_ready() -> bool:
         return False
     _next_look = now + LOOK_EVERY_S
     if not _in_the_cache(_pending, "plain"):
+        _restart_dead_helpers()
         return False
     compile_blocks(_pending, ("plain",))
     _pending.clear()
+    _pending_groups.clear()
     return True
+
+
+def _restart_dead_helpers() -> None:
+    """Start the background compile again for pending blocks whose helper died without filling the cache (killed by
+    SIGKILL or the out-of-memory killer, or it failed): else this process would decode op by op for the rest of its
+    life. At most RESTARTS times per process, so a helper that fails every time is not restarted forever."""
+    global _restarts_left
+    for group in list(_pending_groups):
+        if _restarts_left > 0 and not _held(_lock_path(group)):
+            _restarts_left -= 1
+            _in_a_second_process(("plain", "threaded"), group)
 
 
 def _wait(helper) -> None:
@@ -298,49 +315,92 @@ def _in_a_second_process(task, blocks, head_linears=(), ops: bool = False):
     TINYLLM_COMPILE_HELPER=0, or no way to start it: this process compiles it all)."""
     if not blocks or (os.cpu_count() or 1) < 2 or os.environ.get("TINYLLM_COMPILE_HELPER", "1") == "0":
         return None
+    background = task != "decode"              # the blocks: not waited for, and not stopped by this run's Ctrl-C
+    lock = ""
     try:
-        root = Path(__file__).resolve().parents[2]                   # the folder holding this tinyllm package
-        background = task != "decode"          # the blocks: not waited for, and not stopped by this run's Ctrl-C
-        lock = ""
         if background:
-            lock = _claim(root, blocks)
+            lock = _claim(blocks)
             if lock is None:
                 return _ELSEWHERE
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p))
+        paths = (str(_ROOT), os.environ.get("PYTHONPATH"))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
         code = ("import json, os, sys\nfrom tinyllm.kernels.warmup import compile_blocks, warm_decode_kernels\n"
                 "task, blocks, heads, ops = (json.loads(a) for a in sys.argv[1:5])\n"
                 "warm_decode_kernels(blocks, heads, ops) if task == 'decode' else compile_blocks(blocks, tuple(task))\n"
                 "if sys.argv[5]:\n    os.remove(sys.argv[5])")
         lowest = background and hasattr(os, "nice")                 # (at the lowest priority: not in the way of
         arguments = [*map(json.dumps, (task, blocks, head_linears, ops)), lock]             # this run's threads)
-        return subprocess.Popen([sys.executable, "-c", code, *arguments], env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, preexec_fn=(lambda: os.nice(19)) if lowest else None,
-                                start_new_session=background)
+        process = subprocess.Popen([sys.executable, "-c", code, *arguments], env=env, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL, preexec_fn=(lambda: os.nice(19)) if lowest else None,
+                                   start_new_session=background)
+        if lock:
+            Path(lock).write_text(str(process.pid))     # the lock's holder: _held checks that it is alive
+        return process
     except (AttributeError, OSError):
+        if lock:                                        # (not started: nobody will fill the cache)
+            Path(lock).unlink(missing_ok=True)
         return None
 
 
 _ELSEWHERE = "compiling in another process"
-LOCK_STALE_S = 900      # a helper's lock file older than this: the helper died; take over
+_ROOT = Path(__file__).resolve().parents[2]     # the folder holding this tinyllm package
+LOCK_STALE_S = 900      # a lock file older than this: its helper hangs or died; take over
+UNWRITTEN_S = 30        # a lock file without a pid for longer than this: its process died before starting the helper
 
 
-def _claim(root: Path, blocks) -> str | None:
-    """A lock file for compiling these fused blocks (one per machine, package and Numba cache) -> its path, or
-    None if another process holds a fresh one."""
-    key = json.dumps([str(root), sys.executable, os.environ.get("NUMBA_CACHE_DIR", ""), blocks])
-    path = Path(tempfile.gettempdir()) / f"tinyllm-blocks-{hashlib.sha1(key.encode()).hexdigest()[:16]}.lock"
+def _lock_path(blocks) -> Path:
+    """The lock file for compiling these fused blocks: one per machine, package, Python and Numba cache."""
+    key = json.dumps([str(_ROOT), sys.executable, os.environ.get("NUMBA_CACHE_DIR", ""), blocks])
+    return Path(tempfile.gettempdir()) / f"tinyllm-blocks-{hashlib.sha1(key.encode()).hexdigest()[:16]}.lock"
+
+
+def _claim(blocks) -> str | None:
+    """The lock file for compiling these fused blocks, created -> its path, or None if another process holds it."""
+    path = _lock_path(blocks)
     for _ in range(2):
         try:
             os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
             return str(path)
         except FileExistsError:
+            if _held(path):
+                return None
             try:
-                if time.time() - path.stat().st_mtime < LOCK_STALE_S:
-                    return None
-                path.unlink()
+                path.unlink()               # (its holder is gone: take it over)
+            except FileNotFoundError:       # (another process took it over first: try to create it again)
+                pass
             except OSError:
                 return None
     return None
+
+
+def _held(path: Path) -> bool:
+    """Whether a lock file is held: it names a live process (the helper's pid, written when it started) and is
+    younger than LOCK_STALE_S, or it is too new to name one yet."""
+    try:
+        age, text = time.time() - path.stat().st_mtime, path.read_text().strip()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    if age > LOCK_STALE_S:
+        return False
+    if not text.isdigit():
+        return age < UNWRITTEN_S
+    return _alive(int(text))
+
+
+def _alive(pid: int) -> bool:
+    """Whether process pid exists and is not a zombie (one that died and that its parent has not reaped yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:             # (another user's: alive)
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):       # (no /proc: not Linux)
+        return True
 
 
 def warmup_paged(kv_dtype: str = "float32", heads: tuple = (64, 1)) -> float:
