@@ -74,8 +74,8 @@ for line in sys.stdin:
 
 class Worker:
     def __init__(self, checkout: Path, threads: int):
-        # (fused blocks a worker's cache lacks: compiled in its warm-up, not timed op by op while they compile)
-        env = dict(os.environ, PYTHONPATH=str(checkout), OPENBLAS_THREAD_TIMEOUT="1", TINYLLM_WAIT_FOR_BLOCKS="1")
+        # (what a worker's cache lacks: all compiled in its warm-up, none in the background while it is timed)
+        env = dict(os.environ, PYTHONPATH=str(checkout), OPENBLAS_THREAD_TIMEOUT="1", TINYLLM_COMPILE_HELPER="0")
         self.proc = subprocess.Popen([sys.executable, "-c", WORKER.replace("THREADS", str(threads))], cwd=checkout,
                                      env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tinyllm  # noqa: E402
 import numpy as np  # noqa: E402
 
-from report import decode_fused_from_the_first_step, machine_info, machine_line, render, write_json  # noqa: E402
+from report import machine_info, machine_line, no_background_compiles, render, write_json  # noqa: E402
 from tinyllm.engine import Engine  # noqa: E402
 from tinyllm.paged import PagedKVCache, parse_bytes  # noqa: E402
 from roofline import decode_bytes, decode_flops, read_bandwidth, sgemm_gflops  # noqa: E402
@@ -177,7 +177,7 @@ def sweep(model, batches, context: int, steps: int, rounds: int = 3, after_round
 
 
 def main(argv=None) -> int:
-    decode_fused_from_the_first_step()
+    no_background_compiles()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small workloads; prints, writes nothing")
     ap.add_argument("--kv-memory", default="512MiB", help="KV pool of the engine and the budget of the sweep")

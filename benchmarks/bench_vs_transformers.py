@@ -102,8 +102,8 @@ def summarize(samples: list[tuple[float, list[float], list[int]]], n_prompt: int
 
 
 def main() -> None:
-    from report import decode_fused_from_the_first_step
-    decode_fused_from_the_first_step()
+    from report import no_background_compiles
+    no_background_compiles()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=5)

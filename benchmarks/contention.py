@@ -107,8 +107,8 @@ def stop(procs: list[subprocess.Popen]) -> None:
 
 
 def main() -> None:
-    from report import decode_fused_from_the_first_step
-    decode_fused_from_the_first_step()
+    from report import no_background_compiles
+    no_background_compiles()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--formats", nargs="+", default=["fp32", "native+a8"])
     p.add_argument("--competitors", nargs="+", type=int, default=[1, 3])

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 import tinyllm  # noqa: E402
-from report import decode_fused_from_the_first_step, machine_info, machine_line, write_json  # noqa: E402
+from report import machine_info, machine_line, no_background_compiles, write_json  # noqa: E402
 from tinyllm import capacity  # noqa: E402
 from tinyllm.engine import Engine  # noqa: E402
 from tinyllm.sampling import SamplingParams, sample  # noqa: E402
@@ -179,7 +179,7 @@ def report(res: dict) -> str:
 
 
 def main(argv=None) -> None:
-    decode_fused_from_the_first_step()
+    no_background_compiles()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048, 4096])
     p.add_argument("--repeats", type=int, default=3)

@@ -34,7 +34,7 @@ import tinyllm  # noqa: E402
 from tinyllm import kv_cache  # noqa: E402
 
 from quality import compare  # noqa: E402
-from report import decode_fused_from_the_first_step, machine_info, machine_line, write_json  # noqa: E402
+from report import machine_info, machine_line, no_background_compiles, write_json  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 CHUNK = 512                       # tokens per evaluated sequence (llama.cpp's perplexity default)
@@ -201,7 +201,7 @@ def speed_rows(runs: list) -> list[dict]:
 
 
 def main() -> None:
-    decode_fused_from_the_first_step()
+    no_background_compiles()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quality", action="store_true", help="KLD of each format against the float32 cache")
     p.add_argument("--speed", action="store_true", help="decode tok/s per format at each context")

@@ -331,8 +331,8 @@ def overhead_only(args) -> None:
 
 
 def main(argv=None) -> None:
-    from report import decode_fused_from_the_first_step
-    decode_fused_from_the_first_step()
+    from report import no_background_compiles
+    no_background_compiles()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     for name in ("run", "report"):

@@ -27,7 +27,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import tinyllm  # noqa: E402
-from report import decode_fused_from_the_first_step, machine_info, machine_line, write_json  # noqa: E402
+from report import machine_info, machine_line, no_background_compiles, write_json  # noqa: E402
 
 
 _LIBC = ctypes.CDLL("libc.so.6")
@@ -86,7 +86,7 @@ def plot(rows: list[dict], path: Path) -> bool:
 
 
 def main(argv=None) -> int:
-    decode_fused_from_the_first_step()
+    no_background_compiles()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048, 4096, 8192])
     ap.add_argument("--quant", nargs="+", default=["fp32", "native"])

@@ -134,8 +134,8 @@ def kld(ref_logp: np.ndarray, logits: np.ndarray, cutoff: bool = False) -> float
 
 
 def main(argv=None) -> int:
-    from report import decode_fused_from_the_first_step
-    decode_fused_from_the_first_step()
+    from report import no_background_compiles
+    no_background_compiles()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-quantize", type=Path, required=True)
     ap.add_argument("--llama-perplexity", type=Path, help="default: next to llama-quantize")

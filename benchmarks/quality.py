@@ -30,7 +30,7 @@ import tinyllm  # noqa: E402
 import numpy as np  # noqa: E402
 from tinyllm.quant import quantize  # noqa: E402
 
-from report import decode_fused_from_the_first_step, machine_info, machine_line, write_json  # noqa: E402
+from report import machine_info, machine_line, no_background_compiles, write_json  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 # label -> tinyllm.load keywords. q4_1 and q4_k keep their output head (the tied embedding) at int8-block by default;
@@ -80,7 +80,7 @@ def perplexity(logits: np.ndarray, ids: np.ndarray) -> float:
 
 
 def main() -> None:
-    decode_fused_from_the_first_step()
+    no_background_compiles()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-write", action="store_true")

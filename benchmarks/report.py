@@ -37,11 +37,12 @@ def cpu_flags() -> set[str]:
     return set(found.group(1).split()) if found else set()
 
 
-def decode_fused_from_the_first_step() -> None:
-    """Set TINYLLM_WAIT_FOR_BLOCKS=1 for this process and those it starts: warm-up then compiles a model's fused
-    decode blocks before it returns, where they are not in Numba's cache yet; by default a first run decodes op by
-    op while they compile in the background (tinyllm/kernels/warmup.py), and a benchmark would time that."""
-    os.environ.setdefault("TINYLLM_WAIT_FOR_BLOCKS", "1")
+def no_background_compiles() -> None:
+    """Set TINYLLM_COMPILE_HELPER=0 for this process and those it starts: warm-up then compiles all a model runs,
+    its fused blocks (plain and threaded) included, before it returns, where Numba's cache lacks it. By default a
+    first run leaves the blocks to a second process and decodes op by op, then with the plain blocks, until they
+    are ready (tinyllm/kernels/warmup.py), and a benchmark would time that, with a compiler beside it."""
+    os.environ.setdefault("TINYLLM_COMPILE_HELPER", "0")
 
 
 def wait_for_background_compiles(timeout: float = 300.0) -> None:

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import tinyllm  # noqa: E402
 import numpy as np  # noqa: E402
 
-from report import decode_fused_from_the_first_step, machine_info, machine_line, render, write_json  # noqa: E402
+from report import machine_info, machine_line, no_background_compiles, render, write_json  # noqa: E402
 from tinyllm import capacity  # noqa: E402
 # the roofs are measured by tinyllm/roofs.py (also for the lab); other benchmarks import them from here
 from tinyllm.roofs import median_time, read_bandwidth, row_sums, sgemm_gflops  # noqa: E402,F401
@@ -390,7 +390,7 @@ def plots(res: dict) -> None:
 
 
 def main() -> None:
-    decode_fused_from_the_first_step()
+    no_background_compiles()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--context", type=int, default=256)

@@ -47,7 +47,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import tinyllm  # noqa: E402
-from report import decode_fused_from_the_first_step, write_json  # noqa: E402
+from report import no_background_compiles, write_json  # noqa: E402
 from roofline import decode_bytes, read_bandwidth, row_sums  # noqa: E402
 from tinyllm.kernels import block, intdot  # noqa: E402
 from tinyllm.kernels.attention_kernels import decode_attention  # noqa: E402
@@ -232,7 +232,7 @@ def json_rows(results: dict, timelines: dict, bandwidth: float) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    decode_fused_from_the_first_step()
+    no_background_compiles()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--formats", nargs="+", default=["fp32", "int8+a8", "int8-block+a8", "native+a8"])
     p.add_argument("--contexts", type=int, nargs="+", default=[0, 256])

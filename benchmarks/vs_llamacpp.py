@@ -43,7 +43,7 @@ from tinyllm import hub  # noqa: E402
 from tinyllm.paged import PagedKVCache  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from report import decode_fused_from_the_first_step, machine_info, machine_line, write_json  # noqa: E402
+from report import machine_info, machine_line, no_background_compiles, write_json  # noqa: E402
 
 # llama.cpp file type -> the tinyllm settings compared with it: (label, quant, activations)
 PAIRS = {"F32": [("fp32", None, "float32")],
@@ -136,7 +136,7 @@ def markdown(results: dict, meta: dict) -> str:
 
 
 def main(argv=None) -> int:
-    decode_fused_from_the_first_step()
+    no_background_compiles()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-bench", type=Path, help="path of a built llama-bench")
     ap.add_argument("--llama-batched-bench", type=Path, help="path of a built llama-batched-bench (batched decode)")
