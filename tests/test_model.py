@@ -264,8 +264,10 @@ def test_fused_decode_equals_the_op_by_op_blocks(quant, activations, monkeypatch
     the tiles; 16: the most). (The same kernels, but a kernel compiled into a block can vectorise a float sum in
     another order than when it is called alone: seen on an AVX2 host, last bits after the first test compiled the
     kernels in this process. A wrong position, head or cache row would be off by far more than FUSED_TOLERANCE.)"""
+    import importlib
     from tinyllm import kernels
     from tinyllm.kernels import block
+    warmup = importlib.import_module("tinyllm.kernels.warmup")
     m = random_model("llama", dim=64, ffn_dim=64, quant=quant, activations=activations)
     ids = np.random.default_rng(2).integers(0, 50, 40)
     chunks = [ids[:5], ids[5:6], ids[6:7], ids[7:10], ids[10:19], ids[19:35], ids[35:36]]
@@ -274,7 +276,8 @@ def test_fused_decode_equals_the_op_by_op_blocks(quant, activations, monkeypatch
     monkeypatch.setattr(block, "THREADED_BLOCKS", {a8: (lambda f: lambda x, *rest: (threaded_rows.append(len(x)),
                                                                                       f(x, *rest)))(f)
                                                    for a8, f in block.THREADED_BLOCKS.items()})
-    logits, caches = {}, {}
+    monkeypatch.setattr(warmup, "_pending_threaded", [])              # (a helper's threaded blocks, once in the
+    logits, caches = {}, {}                                             # cache, would end the "plain" path early)
     for path in ("op by op", "plain", "threaded"):
         m.fused_decode = path != "op by op"
         cache = m.new_cache(40)                                         # (its warmup may choose the plain blocks)

@@ -88,10 +88,11 @@ def decode_blocks(x, weights, caches, start: int, cos, sin, n_heads: int, eps: f
 _layer_ok, _plain_only = False, False
 
 
-def plain_blocks_only() -> None:
-    """Run the plain blocks from now on in this process (warmup: the threaded ones are still being compiled)."""
+def plain_blocks_only(only: bool = True) -> None:
+    """Run the plain blocks from now on in this process (warmup: the threaded ones are still being compiled), or
+    (only=False: they are loaded) the threaded ones again."""
     global _plain_only
-    _plain_only = True
+    _plain_only = only
 
 
 def threads_can_wait() -> bool:

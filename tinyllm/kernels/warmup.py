@@ -233,23 +233,27 @@ def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False
             background = _in_a_second_process(("plain", "threaded"), missing)
             if background is not None:
                 _pending.extend(missing)
+                _pending_threaded.extend(missing)
                 _pending_groups.append(missing)
                 later = missing
-                plain_blocks_only()   # (the threaded ones are for later runs)
+                plain_blocks_only()   # (then the threaded ones, when they are ready too)
                 notice.later = " (the fused decode blocks go on in the background: until then, decoding is slower)"
         now = [b for b in blocks if b not in later]
         if now and _threaded_helper is None and not _in_the_cache(now, "threaded"):   # (one helper per process
             _threaded_helper = _in_a_second_process(("threaded",), now)               # at most, and per machine)
-        if _threaded_helper is None:
+        if _threaded_helper is None or _in_the_cache(now, "threaded"):
             compile_blocks(now, ("plain", "threaded"))
-        else:                       # being compiled by a second process: this one goes on with the plain blocks
+        else:                       # being compiled by a second process: this one runs the plain blocks meanwhile
             compile_blocks(now, ("plain",))
             plain_blocks_only()
+            _pending_threaded.extend(now)
+            _pending_groups.append(now)
     return time.perf_counter() - t0
 
 
-_pending: list = []     # fused blocks that a second process is compiling, for this one to load when they are ready
-_pending_groups: list = []   # the same blocks as the lists given to the second processes (each has its own lock)
+_pending: list = []     # fused blocks whose plain kind a second process is compiling (op by op until it is ready)
+_pending_threaded: list = []   # fused blocks whose threaded kind it is compiling (the plain ones run until then)
+_pending_groups: list = []   # both as the lists given to the second processes (each has its own lock)
 RESTARTS = 1            # how often a process starts the background compile again if its helper died
 _restarts_left = RESTARTS
 LOOK_EVERY_S = 1.0      # how often blocks_ready looks in the cache for them
@@ -257,22 +261,30 @@ _next_look = 0.0
 
 
 def blocks_ready() -> bool:
-    """Whether the fused blocks may run: yes, unless warmup left some to compile in a second process (a first run;
-    this process decodes op by op meanwhile). Once that process has put the plain ones in the disk cache, they are
-    loaded here (not compiled), and run from then on. Looks in the cache once every LOOK_EVERY_S at most."""
+    """Whether the fused blocks may run: yes, unless warmup left their plain kind to compile in a second process (a
+    first run; this process decodes op by op meanwhile). Once that process has put the plain ones in the disk cache,
+    they are loaded here (not compiled) and run; once it has put the threaded ones there too, those are loaded and
+    run from then on. Looks in the cache once every LOOK_EVERY_S at most."""
     global _next_look
-    if not _pending:
+    if not _pending and not _pending_threaded:
         return True
     now = time.monotonic()
     if now < _next_look:
-        return False
+        return not _pending
     _next_look = now + LOOK_EVERY_S
-    if not _in_the_cache(_pending, "plain"):
+    if _pending:
+        if not _in_the_cache(_pending, "plain"):
+            _restart_dead_helpers()
+            return False
+        compile_blocks(_pending, ("plain",))
+        _pending.clear()
+    elif _in_the_cache(_pending_threaded, "threaded"):
+        compile_blocks(_pending_threaded, ("plain", "threaded"))   # (the plain ones are loaded: only marks them)
+        _pending_threaded.clear()
+        _pending_groups.clear()
+        plain_blocks_only(False)
+    else:
         _restart_dead_helpers()
-        return False
-    compile_blocks(_pending, ("plain",))
-    _pending.clear()
-    _pending_groups.clear()
     return True
 
 
@@ -281,8 +293,9 @@ def _restart_dead_helpers() -> None:
     SIGKILL or the out-of-memory killer, or it failed): else this process would decode op by op for the rest of its
     life. At most RESTARTS times per process, so a helper that fails every time is not restarted forever."""
     global _restarts_left
-    for group in list(_pending_groups):
-        if _restarts_left > 0 and not _held(_lock_path(group)):
+    for group in list(_pending_groups):     # (the cache again after the lock: the helper may have just finished)
+        if _restarts_left > 0 and not _held(_lock_path(group)) and not all(
+                _in_the_cache(group, kind) for kind in ("plain", "threaded")):
             _restarts_left -= 1
             _in_a_second_process(("plain", "threaded"), group)
 
