@@ -48,13 +48,32 @@ def no_background_compiles() -> None:
 def wait_for_background_compiles(timeout: float = 300.0) -> None:
     """Wait while a first run's fused blocks still compile in the background (tinyllm/kernels/warmup.py: its helper
     holds a lock file while it compiles; older checkouts named it tinyllm-threaded-*), so that they do not share the
-    cores with the next measurement."""
+    cores with the next measurement. A lock that names a process no longer running (a helper killed) is not waited
+    for."""
     import tempfile
     import time
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(any(Path(tempfile.gettempdir()).glob(pattern)) for pattern in (
-            "tinyllm-blocks-*.lock", "tinyllm-threaded-*.lock")):
+    while time.monotonic() < deadline and any(_compiling(lock) for pattern in (
+            "tinyllm-blocks-*.lock", "tinyllm-threaded-*.lock") for lock in Path(tempfile.gettempdir()).glob(pattern)):
         time.sleep(0.5)
+
+
+def _compiling(lock: Path) -> bool:
+    """Whether a helper's lock file stands for a compile still going: it names a live process, or no process (an
+    older checkout's locks, or one being written)."""
+    try:
+        text = lock.read_text().strip()
+    except OSError:
+        return False
+    if not text.isdigit():
+        return True
+    try:
+        os.kill(int(text), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def machine_info() -> dict:
