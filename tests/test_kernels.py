@@ -364,7 +364,7 @@ def test_causal_attention_matches_numpy(T, start, H, KVH, Dh):
 @pytest.mark.parametrize("width", ["wide", "narrow"])
 def test_register_tiles_multiply_like_numpy(M, K, N, a_transposed, width):
     """register_tiles' products (prefill attention's two, the prompt-chunk linears'): tiles of 8 rows and 3, 2 or
-    1 vectors of 16 columns (wide: AVX-512) or of 4 rows and 1 vector (narrow: AVX2), whichever the host runs, A
+    1 vectors of 16 columns (wide: AVX-512) or of 6 rows (then 4, 2) and 1 vector (narrow: AVX2), whichever the host runs, A
     read as it is or transposed, against numpy; and the LLVM IR tile against its plain-loop twin."""
     from numba import njit
 

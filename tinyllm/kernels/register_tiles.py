@@ -15,8 +15,7 @@ and the rows x vectors sums are multiply-adds into registers: nothing is ever ad
 micro-kernel's way: Goto and van de Geijn, "Anatomy of high-performance matrix multiplication", 2008). With
 rows = 8 and up to 3 vectors a tile keeps 24 sums of the 32 AVX-512 registers busy. A CPU without AVX-512 has 16
 registers of 8 floats, where such a tile's sums no longer fit and spill to memory (2.4-3.7x slower, one thread:
-docs/design/kernels.md): there `product` takes tiles of 4 rows and 1 vector (8 registers of sums, as OpenBLAS's AVX2 kernels
-keep 12).
+docs/design/kernels.md): there `product` takes tiles of 6 rows and 1 vector (12 registers of sums).
 
 `product_tile_reference` is the same contract in plain loops: what runs with NUMBA_DISABLE_JIT=1 and what the tests
 hold the IR to. The IR uses only generic vector operations, so it compiles for any CPU (narrower ones split each
@@ -137,14 +136,29 @@ def product_wide(a, b, c, a_transposed):
 
 @njit(**SERIAL)
 def product_narrow(a, b, c, a_transposed):
-    """product_wide's contract in tiles of 4 rows and 1 vector: for CPUs with 16 vector registers (AVX2)."""
+    """product_wide's contract for CPUs with 16 vector registers of 8 floats (AVX2): tiles of 6 rows and 1 vector
+    (12 registers of sums, as BLIS's Haswell kernel keeps), then one of 4 and one of 2 for the rows left. A strip
+    of 16 columns is done before the next, so its b values come from L1 for every tile of rows."""
     M, N = c.shape
-    for r0 in range(0, M, 4):
-        for n0 in range(0, N, LANES):
+    for n0 in range(0, N, LANES):
+        r0 = 0
+        while r0 + 6 <= M:
+            if a_transposed:
+                product_tile(a, b, c, r0, n0, 6, 1, True)
+            else:
+                product_tile(a, b, c, r0, n0, 6, 1, False)
+            r0 += 6
+        if r0 + 4 <= M:
             if a_transposed:
                 product_tile(a, b, c, r0, n0, 4, 1, True)
             else:
                 product_tile(a, b, c, r0, n0, 4, 1, False)
+            r0 += 4
+        if r0 < M:                                              # M is a multiple of 8: 2 rows are left, or none
+            if a_transposed:
+                product_tile(a, b, c, r0, n0, 2, 1, True)
+            else:
+                product_tile(a, b, c, r0, n0, 2, 1, False)
 
 
 product = product_wide if WIDE else product_narrow
