@@ -47,9 +47,10 @@ FEW_TOKENS = 16   # up to this many query tokens attention splits over positions
 FUSED_ROWS = 0 if config.DISABLE_JIT else FEW_TOKENS   # the fused block needs compiled code (linear_into)
 PREFILL_CHUNK = SMALL_M   # a longer prompt is prefilled in chunks this long: every pass stays in these kernels
 # With int8 inputs, from this many rows the integer tiles; below, the integer row dots. 8-bit weights: a batch of 8
-# too; 4-bit ones: past FEW_TOKENS, as a tile's 4-bit panels cost more to pack; Q5_0 (its panels are int8 blocks) in
-# between (docs/design/kernels.md, "Prompt chunks"); Q6_K has no tiles: past FEW_TOKENS, the float kernels
-INTEGER_TILES_FROM = TILE_MIN_ROWS
+# too with VNNI, from 12 with AVX2 (whose tiles cost more); 4-bit ones: past FEW_TOKENS, as a tile's 4-bit panels
+# cost more to pack; Q5_0 (its panels are int8 blocks) in between (docs/design/kernels.md, "Prompt chunks"); Q6_K
+# has no tiles: past FEW_TOKENS, the float kernels
+INTEGER_TILES_FROM = TILE_MIN_ROWS if intdot.USE_VNNI else 12
 Q4_INTEGER_TILES_FROM = FEW_TOKENS + 1
 Q5_INTEGER_TILES_FROM = 12
 
@@ -68,8 +69,8 @@ def linear_into(w, x, out, int8_inputs: bool, int_dots: bool) -> None:
     versions (intdot.USE_INT_DOTS), as may the integer tiles of a prompt chunk.
     This Python body is what `linear` runs (so a first run compiles only the kernels it meets); compiled callers
     (the fused block) get the overload below: the same rule, specialised to the format when they compile, for
-    their at most FEW_TOKENS rows (a block compiles no integer tile: 8-bit weights from TILE_MIN_ROWS take the float
-    tiles)."""
+    their at most FEW_TOKENS rows (a block compiles no integer tile: 8-bit weights from INTEGER_TILES_FROM take
+    the float tiles)."""
     if isinstance(w, Q4KWeight):     # Q4_K's super-blocks where few rows read them, else the Q4_1 arrays they equal
         if int8_inputs and x.shape[0] < (Q4_INTEGER_TILES_FROM if intdot.USE_INT_DOTS else TILE_MIN_ROWS):
             return linear_q4k_a8(w, x, out, int_dots)
@@ -85,8 +86,7 @@ def linear_into(w, x, out, int8_inputs: bool, int_dots: bool) -> None:
         many = linear_panels                                             # a prompt chunk (int8: no AVX-512)
     rounded = int8_inputs and isinstance(w, QUANTIZED)
     tiles_from = integer_tiles_from(w)
-    row_dots_below = (tiles_from if isinstance(w, (Q4Weight, Q5Weight, Q6KWeight)) and intdot.USE_INT_DOTS
-                      else TILE_MIN_ROWS)
+    row_dots_below = tiles_from if intdot.USE_INT_DOTS else TILE_MIN_ROWS
     if rounded and x.shape[0] < row_dots_below:                          # a few rows: integer dot products
         integer(w, x, out, int_dots)
     elif rounded and intdot.USE_INT_DOTS and x.shape[0] >= tiles_from and x.shape[1] % BLOCK == 0 and not k_quant:
@@ -115,7 +115,7 @@ def _linear_into_typed(w, x, out, int8_inputs, int_dots):
             many(w, x, out)
 
     row_dots_below = (Q4_INTEGER_TILES_FROM if typed_as(w, (Q4Weight, Q4KWeight, Q5Weight, Q6KWeight))
-                      else TILE_MIN_ROWS)
+                      else INTEGER_TILES_FROM if intdot.USE_INT_DOTS else TILE_MIN_ROWS)
 
     def rounded(w, x, out, int8_inputs, int_dots):                       # quantized weights, int8 activations
         if x.shape[0] < row_dots_below:
