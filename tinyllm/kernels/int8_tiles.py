@@ -74,10 +74,12 @@ def pack_panel(q, s, o0, panel, scales):
         pack_words(q, o0, panel)
     else:
         pack_words_reference(q, o0, panel)
-    for b in range(I // BLOCK):
-        for r in range(n):
-            scales[b, r] = s[o0 + r, min(b, s.shape[1] - 1)]
-        for r in range(n, PANEL_ROWS):
+    per_row = s.shape[1] == 1
+    for r in range(n):                          # along s's rows: each row's scales are adjacent there
+        for b in range(I // BLOCK):
+            scales[b, r] = s[o0 + r, 0 if per_row else b]
+    for r in range(n, PANEL_ROWS):
+        for b in range(I // BLOCK):
             scales[b, r] = 0.0
 
 
