@@ -17,7 +17,8 @@ The work (llama-bench's names): tg64 (64 decode steps from an empty cache), pp12
 random tokens), tg64@d2048 (64 decode steps after 2,048 cached tokens); with --llama-batched-bench, batched decode
 of 1 / 8 / 32 sequences of 128 prompt tokens, 64 steps each (llama-batched-bench's S_TG). Both sides use the same
 thread count (--threads, default 2) and alternate round by round; reported: the median tokens/s of each side and
-their ratio. llama.cpp keeps its default float16 KV cache; tinyllm uses float32 unless --kv-dtype says otherwise.
+their ratio. Before each timed test tinyllm runs one untimed pass or step of it, as llama-bench does (a first call
+may compile). llama.cpp keeps its default float16 KV cache; tinyllm uses float32 unless --kv-dtype says otherwise.
 --write saves the figures as benchmarks/vs_llamacpp.<cpu kind>.json and regenerates RESULTS.md (report.py).
 """
 from __future__ import annotations
@@ -100,8 +101,9 @@ def tinyllm_tests(model, batched: bool, kv_dtype: str) -> dict:
         model.prefill(ids(n), cache)
         out[f"pp{n}"] = n / (time.perf_counter() - t0)
     for depth in (0, DEPTH):
-        cache = model.new_cache(depth + GEN + 1, kv_dtype)
+        cache = model.new_cache(depth + GEN + 2, kv_dtype)
         model.prefill(ids(depth + 1), cache)
+        model.decode_step(ids(1)[0], cache)                     # a warm-up step, as llama-bench runs one
         tokens = ids(GEN)
         t0 = time.perf_counter()
         for t in tokens:
@@ -109,10 +111,11 @@ def tinyllm_tests(model, batched: bool, kv_dtype: str) -> dict:
         out[f"tg{GEN}" + (f"@d{depth}" if depth else "")] = GEN / (time.perf_counter() - t0)
     if batched:
         for B in BATCHES:
-            pool = PagedKVCache(model.config, block_size=16, num_blocks=B * -(-(PROMPTS[0] + GEN + 1) // 16),
+            pool = PagedKVCache(model.config, block_size=16, num_blocks=B * -(-(PROMPTS[0] + GEN + 2) // 16),
                                 kv_dtype=kv_dtype)
             seqs = [pool.new_sequence() for _ in range(B)]
             model.forward_batch([ids(PROMPTS[0]) for _ in seqs], seqs, last_only=True)
+            model.decode_batch(ids(B), seqs)                    # a warm-up step (a first call compiles)
             steps = [ids(B) for _ in range(GEN)]
             t0 = time.perf_counter()
             for tokens in steps:
