@@ -15,7 +15,8 @@ client that eats a core distorts what it measures.
 `report`: the benchmark of the issue. (1) A request-rate sweep through one server: throughput and p95 TTFT / ITL
 as the rate rises, to find the knee where queueing dominates. (2) Static against continuous scheduling on the
 same workload (two servers, --policy). (3) Server overhead: decode tok/s of one stream through HTTP against
-tinyllm.generate in the same process (target >= 0.9x). Writes benchmarks/serving.<cpu kind>.json and serving.png,
+tinyllm.generate in this process (target >= 0.9x), with 1 and with 2 threads on both sides (the sweep's --threads,
+if a --server-arg gives one, does not apply to it). Writes benchmarks/serving.<cpu kind>.json and serving.png,
 and regenerates RESULTS.md (report.py). Needs the serve extra and httpx; matplotlib for the plot.
 """
 from __future__ import annotations
@@ -302,11 +303,14 @@ def report(args) -> None:
             s = run_once(server.url, args.policy_rate, tokenizer=RemoteTokenizer(server.url), **common)
             print(f"{policy}: {summary_line(s)}", flush=True)
             res["policies"][policy] = s
-    res["overhead"] = overhead(args.model, server_args, args.overhead_tokens, args.overhead_rounds)
-    o = res["overhead"]
-    print(f"overhead: HTTP {np.median(o['http_tok_s']):.1f} tok/s vs generate {np.median(o['generate_tok_s']):.1f} "
-          f"tok/s = {o['ratio']:.2f}x (target >= 0.9x); the Engine in-process {np.median(o['engine_tok_s']):.1f} "
-          f"tok/s (HTTP / Engine = {o['ratio_to_engine']:.2f}x)", flush=True)
+    res["overhead"] = []                                          # per thread count, the same on both sides
+    for threads in (1, 2):
+        o = overhead(args.model, without_threads(server_args), args.overhead_tokens, args.overhead_rounds, threads)
+        res["overhead"].append(dict(threads=threads, **o))
+        print(f"overhead, {threads} thread(s): HTTP {np.median(o['http_tok_s']):.1f} tok/s vs generate "
+              f"{np.median(o['generate_tok_s']):.1f} tok/s = {o['ratio']:.2f}x (target >= 0.9x); the Engine "
+              f"in-process {np.median(o['engine_tok_s']):.1f} tok/s (HTTP / Engine = {o['ratio_to_engine']:.2f}x)",
+              flush=True)
     if args.out:                                                  # a file of its own; RESULTS.md untouched
         out = Path(args.out)
         out.write_text(json.dumps(res, indent=1))
@@ -316,6 +320,19 @@ def report(args) -> None:
         png = HERE / "serving.png"
     drew = plot(res["sweep"], png)
     print(f"wrote {out}" + (f" and {png}" if drew else ""))
+
+
+def without_threads(server_args: list[str]) -> list[str]:
+    """server_args without a --threads setting (overhead() sets its own, on both sides)."""
+    out, skip = [], False
+    for a in server_args:
+        if skip:
+            skip = False
+        elif a == "--threads":
+            skip = True
+        elif not a.startswith("--threads="):
+            out.append(a)
+    return out
 
 
 def overhead_only(args) -> None:

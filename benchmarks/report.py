@@ -421,12 +421,21 @@ def batching_section() -> list[str]:
         out += table(["policy", "out tok/s", "TTFT p95 ms", "ITL p95 ms", "e2e p95 s"],
                      [[k, n(v["output_throughput"], 1), ms(v["ttft_s"]["p95"]), n(v["itl_s"]["p95"] * 1e3, 1),
                        n(v["e2e_s"]["p95"], 2)] for k, v in p.items()])
-        o = r["overhead"]
         med = lambda xs: sorted(xs)[len(xs) // 2]                  # noqa: E731
-        out += ["", f"One greedy stream of {o['tokens']} tokens (median of {o['rounds']} rounds): "
-                f"{med(o['http_tok_s']):.1f} tok/s through HTTP, {med(o['generate_tok_s']):.1f} with "
-                f"`tinyllm.generate` in-process (**{o['ratio']:.2f}x**), {med(o['engine_tok_s']):.1f} with the "
-                "Engine in-process."]
+        if isinstance(r["overhead"], dict):                        # (files from before the per-thread runs)
+            o = r["overhead"]
+            out += ["", f"One greedy stream of {o['tokens']} tokens (median of {o['rounds']} rounds): "
+                    f"{med(o['http_tok_s']):.1f} tok/s through HTTP, {med(o['generate_tok_s']):.1f} with "
+                    f"`tinyllm.generate` in-process (**{o['ratio']:.2f}x**), {med(o['engine_tok_s']):.1f} with the "
+                    "Engine in-process."]
+            return out
+        o = r["overhead"][0]
+        out += ["", f"One greedy stream of {o['tokens']} tokens, decode tok/s (median of {o['rounds']} alternating "
+                "rounds; the server and the in-process runs on the same thread count, never at the same time):", ""]
+        out += table(["threads", "through HTTP", "`tinyllm.generate` in-process", "HTTP / generate",
+                      "the Engine in-process"],
+                     [[o["threads"], n(med(o["http_tok_s"]), 1), n(med(o["generate_tok_s"]), 1),
+                       f"**{o['ratio']:.2f}**", n(med(o["engine_tok_s"]), 1)] for o in r["overhead"]])
         return out
     return (["## Batching and serving", ""]
             + per_kind("roofline", "python benchmarks/roofline.py", batch)
