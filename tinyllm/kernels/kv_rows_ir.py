@@ -3,7 +3,8 @@
 Each stored row is loaded and widened to float32 once, 16 values to a vector, for all G query heads, whose q rows
 (score_rows) or running sums (add_rows) stay in registers for the whole pass (VECTORS_AT_ONCE vectors of them at a
 time); the rows PREFETCH_ROWS ahead are requested from memory as it goes, since the hardware prefetcher alone left
-the float16 and int8 kernels waiting on memory. A row is written out without loops over its values: with the head
+the float16 and int8 kernels waiting on memory, and into L2 only: requested into L1 as well, they held up the
+loads of the rows being read, and a pass over a long context took 1.6x as long. A row is written out without loops over its values: with the head
 size known only at run time, LLVM's loops kept their counters, overlap checks and leftover iterations, and ran 1.5x
 slower. Code is written out for head sizes 64 and 128 (int8 in groups of 32), the usual ones; any other shape takes
 a generic path of plain loops in the same IR.
@@ -140,7 +141,7 @@ def _row(context, builder, values_type, scales_type, values, scales, s, kvh, hea
     row = _address(builder, v, values_type, [s, kvh], element)
     ahead = _address(builder, v, values_type, [builder.add(s, ir.Constant(_i64, PREFETCH_ROWS)), kvh], _i8)
     for line in range(0, head_size * {types.float32: 4, types.uint16: 2, types.int8: 1}[dtype], 64):
-        prefetch(builder, builder.gep(ahead, [ir.Constant(_i64, line)]))
+        prefetch(builder, builder.gep(ahead, [ir.Constant(_i64, line)]), into_l2=True)
     pieces = range(head_size // LANES)
     if dtype == types.float32:
         return [_load(builder, row, LANES * p, _V16f32) for p in pieces]
@@ -149,7 +150,7 @@ def _row(context, builder, values_type, scales_type, values, scales, s, kvh, hea
     sc = cgutils.create_struct_proxy(scales_type)(context, builder, value=scales)
     scale_row = _address(builder, sc, scales_type, [s, kvh], _i16)
     prefetch(builder, _address(builder, sc, scales_type, [builder.add(s, ir.Constant(_i64, PREFETCH_ROWS)), kvh],
-                               _i8))
+                               _i8), into_l2=True)
     group_scales = [_splat(builder, _halves_to_floats(builder, builder.load(builder.gep(
         scale_row, [ir.Constant(_i64, g)])), f16c)) for g in range(head_size // INT8_GROUP)]
     return [builder.fmul(builder.sitofp(_load(builder, row, LANES * p, _V16i8), _V16f32),
@@ -204,8 +205,8 @@ def _int8_row_dots(context, builder, values_type, scales_type, values, scales, s
     ahead = builder.add(s, ir.Constant(_i64, PREFETCH_ROWS))
     for line in range(0, head_size, 64):
         prefetch(builder, builder.gep(_address(builder, v, values_type, [ahead, kvh], _i8),
-                                      [ir.Constant(_i64, line)]))
-    prefetch(builder, _address(builder, sc, scales_type, [ahead, kvh], _i8))
+                                      [ir.Constant(_i64, line)]), into_l2=True)
+    prefetch(builder, _address(builder, sc, scales_type, [ahead, kvh], _i8), into_l2=True)
     scale_bits = builder.load(builder.bitcast(_address(builder, sc, scales_type, [s, kvh], _i16),
                                               ir.VectorType(_i16, head_size // INT8_GROUP).as_pointer()), align=1)
     if vnni:                                                   # k + 128 as unsigned bytes: one xor per row

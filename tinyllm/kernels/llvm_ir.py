@@ -14,11 +14,12 @@ def call(builder, name, result_type, *args):
     return builder.call(fn, args)
 
 
-def prefetch(builder, address):
+def prefetch(builder, address, into_l2: bool = False):
     """Ask for the cache line at `address` (an i8*) to be read into the cache, for reading; no fault if it is not
-    mapped (rows past the end of an array)."""
-    call(builder, "llvm.prefetch.p0", ir.VoidType(), address, ir.Constant(_i32, 0), ir.Constant(_i32, 3),
-         ir.Constant(_i32, 1))
+    mapped (rows past the end of an array). into_l2: only as far as L2 (x86's prefetcht1, where prefetcht0 brings
+    it into L1 too): the L1 tracks few misses at a time, and prefetches queued there hold up the loads behind them."""
+    call(builder, "llvm.prefetch.p0", ir.VoidType(), address, ir.Constant(_i32, 0),
+         ir.Constant(_i32, 2 if into_l2 else 3), ir.Constant(_i32, 1))
 
 
 def lane_total(builder, v):
