@@ -42,6 +42,20 @@ def test_on_a_quiet_machine_the_governor_keeps_every_thread_and_probes_rarely(ma
     assert 0 < (used == 1).sum() <= 0.01 * len(used)                 # probes happen, and cost under 1% of steps
 
 
+def test_free_threads_counts_a_core_as_taken_only_if_it_stays_taken(monkeypatch):
+    monkeypatch.setattr(threads, "cores", lambda: 2)
+    monkeypatch.setattr(threads, "CONFIRM_S", 0.0)
+    looks = iter([1, 0])                                              # a task of another process, gone at once
+    monkeypatch.setattr(threads, "others_running", lambda: next(looks))
+    assert threads.free_threads(2) == 2
+    looks = iter([1, 1])                                              # a busy process: still there
+    assert threads.free_threads(2) == 1
+    looks = iter([0])                                                 # a quiet machine: one look only
+    assert threads.free_threads(2) == 2
+    looks = iter([3, None])                                           # unreadable the second time: every thread
+    assert threads.free_threads(2) == 2
+
+
 def test_when_other_work_starts_the_governor_drops_to_one_thread_within_a_few_steps(machine):
     governor = ThreadGovernor(most=2)
     quiet = run_steps(governor, lambda n, i: {2: 0.010, 1: 0.016}[n], 100)
