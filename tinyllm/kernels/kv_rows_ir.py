@@ -3,11 +3,11 @@
 Each stored row is loaded and widened to float32 once, 16 values to a vector, for all G query heads, whose q rows
 (score_rows) or running sums (add_rows) stay in registers for the whole pass (VECTORS_AT_ONCE vectors of them at a
 time); the rows PREFETCH_ROWS ahead are requested from memory as it goes, since the hardware prefetcher alone left
-the float16 and int8 kernels waiting on memory, and into L2 only: requested into L1 as well, they held up the
-loads of the rows being read, and a pass over a long context took 1.6x as long. A row is written out without loops over its values: with the head
-size known only at run time, LLVM's loops kept their counters, overlap checks and leftover iterations, and ran 1.5x
-slower. Code is written out for head sizes 64 and 128 (int8 in groups of 32), the usual ones; any other shape takes
-a generic path of plain loops in the same IR.
+the float16 and int8 kernels waiting on memory, and into L2 only: requested into L1 as well, they held up the loads
+of the rows being read, and a pass over a long context took 1.5x as long. A row is written out without loops over
+its values: with the head size known only at run time, LLVM's loops kept their counters, overlap checks and leftover
+iterations, and ran 1.5x slower. Code is written out for head sizes 64 and 128 (int8 in groups of 32), the usual
+ones; any other shape takes a generic path of plain loops in the same IR.
 
 score_rows adds up the products of ROWS_PER_TREE float16 or int8 rows in one reduction tree per head
 (_lane_sums): summing each row's 16 lanes alone was a third of its instructions. Over an int8 cache q is rounded
