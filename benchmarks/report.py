@@ -429,13 +429,15 @@ def batching_section() -> list[str]:
                     f"`tinyllm.generate` in-process (**{o['ratio']:.2f}x**), {med(o['engine_tok_s']):.1f} with the "
                     "Engine in-process."]
             return out
-        o = r["overhead"][0]
-        out += ["", f"One greedy stream of {o['tokens']} tokens, decode tok/s (median of {o['rounds']} alternating "
-                "rounds; the server and the in-process runs on the same thread count, never at the same time):", ""]
-        out += table(["threads", "through HTTP", "`tinyllm.generate` in-process", "HTTP / generate",
-                      "the Engine in-process"],
-                     [[o["threads"], n(med(o["http_tok_s"]), 1), n(med(o["generate_tok_s"]), 1),
-                       f"**{o['ratio']:.2f}**", n(med(o["engine_tok_s"]), 1)] for o in r["overhead"]])
+        runs = r["overhead"]                                       # one per thread count, the same on both sides
+
+        def each(key, fmt="{:.1f}", of=med):                       # "x / y": one figure per thread count
+            return " / ".join(fmt.format(of(o[key])) for o in runs)
+        out += ["", f"One greedy stream of {runs[0]['tokens']} tokens with {each('threads', '{}', int)} threads "
+                f"(median of {runs[0]['rounds']} alternating rounds, server and in-process on the same threads): "
+                f"{each('http_tok_s')} tok/s through HTTP, {each('generate_tok_s')} with `tinyllm.generate` "
+                f"in-process (**{each('ratio', '{:.2f}x', float)}**), {each('engine_tok_s')} with the Engine "
+                "in-process."]
         return out
     return (["## Batching and serving", ""]
             + per_kind("roofline", "python benchmarks/roofline.py", batch)
