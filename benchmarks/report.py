@@ -422,13 +422,6 @@ def batching_section() -> list[str]:
                      [[k, n(v["output_throughput"], 1), ms(v["ttft_s"]["p95"]), n(v["itl_s"]["p95"] * 1e3, 1),
                        n(v["e2e_s"]["p95"], 2)] for k, v in p.items()])
         med = lambda xs: sorted(xs)[len(xs) // 2]                  # noqa: E731
-        if isinstance(r["overhead"], dict):                        # (files from before the per-thread runs)
-            o = r["overhead"]
-            out += ["", f"One greedy stream of {o['tokens']} tokens (median of {o['rounds']} rounds): "
-                    f"{med(o['http_tok_s']):.1f} tok/s through HTTP, {med(o['generate_tok_s']):.1f} with "
-                    f"`tinyllm.generate` in-process (**{o['ratio']:.2f}x**), {med(o['engine_tok_s']):.1f} with the "
-                    "Engine in-process."]
-            return out
         runs = r["overhead"]                                       # one per thread count, the same on both sides
 
         def each(key, fmt="{:.1f}", of=med):                       # "x / y": one figure per thread count
