@@ -378,8 +378,14 @@ def plots(res: dict) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     mb = np.array([r["bytes_per_token_mb"] for r in res["headline"].values()])
     ax.plot(mb, [r["decode_tok_s"] for r in res["headline"].values()], "o")
-    for fmt, r in res["headline"].items():
-        ax.annotate(fmt, (r["bytes_per_token_mb"], r["decode_tok_s"]), textcoords="offset points", xytext=(5, 5))
+    points = sorted(res["headline"].items(), key=lambda kv: kv[1]["decode_tok_s"])
+    tops = max(r["decode_tok_s"] for _, r in points)
+    label_y = -np.inf
+    for fmt, r in points:              # labels left of their points, pushed apart where formats read alike
+        label_y = max(r["decode_tok_s"], label_y + 0.08 * tops)
+        ax.annotate(fmt, (r["bytes_per_token_mb"], r["decode_tok_s"]), (r["bytes_per_token_mb"] - 15, label_y),
+                    ha="right", va="center", fontsize=9, arrowprops=dict(arrowstyle="-", color="0.6", lw=0.6))
+    ax.set_xlim(left=0)
     xs = np.linspace(mb.min() * 0.8, mb.max() * 1.1, 100)
     ax.plot(xs, bw * 1e3 / xs, "k--", label=f"ceiling: {bw:.0f} GB/s / bytes per token")
     ax.set_xlabel("MB read per decode token")
