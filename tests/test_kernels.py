@@ -393,6 +393,30 @@ def test_register_tiles_multiply_like_numpy(M, K, N, a_transposed, width):
         assert np.count_nonzero(fast) == 8 * 32             # the tile's rows and columns, nothing else
 
 
+@pytest.mark.parametrize("I", [1, 15, 16, 17, 100, 576])
+def test_dot_tile_matches_its_twin_and_numpy(I):
+    """dot_tiles.dot_tile (LLVM IR: vector sums along I, the columns past the last vector one by one) against its
+    plain-loop twin and numpy, for a tile in the middle of w and out: its DOT_ROWS x DOT_INPUTS outputs, nothing
+    else; and linear_tiled's fp32 tiles with rows and inputs left over (8 to 31 input rows)."""
+    from numba import njit
+
+    from tinyllm.kernels.dot_tiles import DOT_INPUTS, DOT_ROWS, dot_tile, dot_tile_reference
+    w = RNG.normal(size=(3 * DOT_ROWS + 1, I)).astype(np.float32)
+    x = RNG.normal(size=(2 * DOT_INPUTS + 3, I)).astype(np.float32)
+    fast, slow = np.zeros((x.shape[0], w.shape[0]), np.float32), np.zeros((x.shape[0], w.shape[0]), np.float32)
+    njit(lambda w, x, out: dot_tile(w, DOT_ROWS, x, DOT_INPUTS, out))(w, x, fast)    # (an intrinsic: compiled callers)
+    dot_tile_reference(w, DOT_ROWS, x, DOT_INPUTS, slow)
+    np.testing.assert_allclose(fast, slow, rtol=1e-5, atol=1e-5 * np.sqrt(I))
+    tile = (slice(DOT_INPUTS, 2 * DOT_INPUTS), slice(DOT_ROWS, 2 * DOT_ROWS))
+    np.testing.assert_allclose(fast[tile], x[tile[0]] @ w[tile[1]].T, rtol=1e-5, atol=1e-5 * np.sqrt(I))
+    assert np.count_nonzero(fast) == DOT_ROWS * DOT_INPUTS
+    for M in (8, 13, 31):                                             # linear_tiled: fp32 takes the dot tiles
+        xm = RNG.normal(size=(M, I)).astype(np.float32)
+        out = np.full((M, w.shape[0]), np.nan, np.float32)
+        lin.linear_tiled(kernel_weight(w), xm, out)
+        np.testing.assert_allclose(out, xm @ w.T, rtol=1e-5, atol=2e-5 * np.sqrt(I))
+
+
 @pytest.mark.parametrize("T", [6, 20])
 def test_causal_attention_reads_strided_views(T):
     """Without a cache the model passes k and v as column slices of the fused qkv activation."""

@@ -6,6 +6,7 @@ twin in ops.py and a parity test (tests/test_kernels.py). The files, in the orde
     dispatch.py           which kernel runs for how many rows, which format, which activations (the one policy)
     weight_formats.py     the weight formats the kernels take, as named tuples (Float32Weight, Q4Weight, ...)
     linear_kernels.py     a few rows times a weight: the task split, the input rounding, fp32 and int8 weights
+    dot_tiles.py          fp32 weights at 8-31 rows: tiles of dot products along a row (LLVM IR)
     q4_kernels.py         the same for 4-bit (Q4_1) weights
     kquant_kernels.py     a file's Q6_K and Q4_K super-blocks, read as the file holds them
     panel_kernels.py      a prompt chunk's linears: weight rows prepared once as panels, products in register tiles

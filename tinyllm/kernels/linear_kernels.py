@@ -22,6 +22,7 @@ from numba import njit, prange
 from numba.extending import overload
 
 from ..quant import BLOCK
+from .dot_tiles import DOT_INPUTS, DOT_ROWS, dot_tile
 from .intdot import dot_int8, dot_int8_block, dot_int8_block_reference, dot_int8_reference
 from .numerics import PARALLEL, SERIAL
 from .weight_formats import Float32Weight, Int8BlockWeight, Int8Weight, typed_as
@@ -114,35 +115,66 @@ def linear_rows(w, x, out):
 
 @njit(**PARALLEL)
 def linear_tiled(w, x, out):
-    """The same for M >= TILE_MIN_ROWS, in 4 x 4 tiles (4 weight rows x 4 input rows) within blocks of OUT_BLOCK
-    weight rows; the rows no tile covers as in linear_rows."""
+    """The same for M >= TILE_MIN_ROWS, in tiles of a few weight rows x a few input rows within blocks of OUT_BLOCK
+    weight rows (fp32: dot_tiles.py's, else 4 x 4 here); the rows no tile covers as in linear_rows."""
+    O = w[0].shape[0]
+    for blk in prange((O + OUT_BLOCK - 1) // OUT_BLOCK):
+        _tiled_task(w, x, out, blk * OUT_BLOCK, min(O, blk * OUT_BLOCK + OUT_BLOCK))
+
+
+def _tiled_task(w, x, out, o0, o1):
+    """linear_tiled's task: out[:, o0:o1]."""
+    if isinstance(w, Float32Weight):
+        return _dot_tiles_task(w, x, out, o0, o1)
+    return _int8_tiles_task(w, x, out, o0, o1)
+
+
+@overload(_tiled_task, inline="always")
+def _tiled_task_typed(w, x, out, o0, o1):
+    task = _dot_tiles_task if typed_as(w, Float32Weight) else _int8_tiles_task
+    return lambda w, x, out, o0, o1: task(w, x, out, o0, o1)
+
+
+@njit(**SERIAL)
+def _dot_tiles_task(w, x, out, o0, o1):
+    """fp32: each DOT_ROWS weight rows against every DOT_INPUTS input rows in turn (the rows stay in L1)."""
+    M = x.shape[0]
+    m_tiled = M - M % DOT_INPUTS                                # input rows covered by tiles
+    o_tiled = o0 + (o1 - o0) // DOT_ROWS * DOT_ROWS             # weight rows covered by tiles
+    for o in range(o0, o_tiled, DOT_ROWS):
+        for m in range(0, m_tiled, DOT_INPUTS):
+            dot_tile(w.w, o, x, m, out)
+    for o in range(o0, o1):                                     # what no tile covered
+        _rows_from(w, x, out, o, m_tiled if o < o_tiled else 0)
+
+
+@njit(**SERIAL)
+def _int8_tiles_task(w, x, out, o0, o1):
+    """int8 weights: 4 x 4 tiles, each weight converted to float as it is read."""
     O, I = w[0].shape
     M = x.shape[0]
     M4 = M - M % 4                                              # input rows covered by tiles
-    for blk in prange((O + OUT_BLOCK - 1) // OUT_BLOCK):
-        o0 = blk * OUT_BLOCK
-        o1 = min(O, o0 + OUT_BLOCK)
-        o4 = o0 + (o1 - o0) // 4 * 4
-        for m in range(0, M4, 4):                               # 4 x 4 tiles
-            for o in range(o0, o4, 4):
-                a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = np.float32(0.0)
-                a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = np.float32(0.0)
-                for i in range(I):
-                    x0, x1, x2, x3 = x[m, i], x[m + 1, i], x[m + 2, i], x[m + 3, i]
-                    w0, w1 = weight_at(w, o, i), weight_at(w, o + 1, i)
-                    w2, w3 = weight_at(w, o + 2, i), weight_at(w, o + 3, i)
-                    a00 += w0 * x0; a01 += w0 * x1; a02 += w0 * x2; a03 += w0 * x3      # noqa: E702
-                    a10 += w1 * x0; a11 += w1 * x1; a12 += w1 * x2; a13 += w1 * x3      # noqa: E702
-                    a20 += w2 * x0; a21 += w2 * x1; a22 += w2 * x2; a23 += w2 * x3      # noqa: E702
-                    a30 += w3 * x0; a31 += w3 * x1; a32 += w3 * x2; a33 += w3 * x3      # noqa: E702
-                s0, s1, s2, s3 = row_scale(w, o), row_scale(w, o + 1), row_scale(w, o + 2), row_scale(w, o + 3)
-                out[m, o], out[m + 1, o], out[m + 2, o], out[m + 3, o] = a00 * s0, a01 * s0, a02 * s0, a03 * s0
-                out[m, o + 1], out[m + 1, o + 1], out[m + 2, o + 1] = a10 * s1, a11 * s1, a12 * s1
-                out[m + 3, o + 1], out[m, o + 2], out[m + 1, o + 2] = a13 * s1, a20 * s2, a21 * s2
-                out[m + 2, o + 2], out[m + 3, o + 2], out[m, o + 3] = a22 * s2, a23 * s2, a30 * s3
-                out[m + 1, o + 3], out[m + 2, o + 3], out[m + 3, o + 3] = a31 * s3, a32 * s3, a33 * s3
-        for o in range(o0, o1):                                 # what no tile covered
-            _rows_from(w, x, out, o, M4 if o < o4 else 0)
+    o4 = o0 + (o1 - o0) // 4 * 4
+    for m in range(0, M4, 4):                                   # 4 x 4 tiles
+        for o in range(o0, o4, 4):
+            a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = np.float32(0.0)
+            a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = np.float32(0.0)
+            for i in range(I):
+                x0, x1, x2, x3 = x[m, i], x[m + 1, i], x[m + 2, i], x[m + 3, i]
+                w0, w1 = weight_at(w, o, i), weight_at(w, o + 1, i)
+                w2, w3 = weight_at(w, o + 2, i), weight_at(w, o + 3, i)
+                a00 += w0 * x0; a01 += w0 * x1; a02 += w0 * x2; a03 += w0 * x3      # noqa: E702
+                a10 += w1 * x0; a11 += w1 * x1; a12 += w1 * x2; a13 += w1 * x3      # noqa: E702
+                a20 += w2 * x0; a21 += w2 * x1; a22 += w2 * x2; a23 += w2 * x3      # noqa: E702
+                a30 += w3 * x0; a31 += w3 * x1; a32 += w3 * x2; a33 += w3 * x3      # noqa: E702
+            s0, s1, s2, s3 = row_scale(w, o), row_scale(w, o + 1), row_scale(w, o + 2), row_scale(w, o + 3)
+            out[m, o], out[m + 1, o], out[m + 2, o], out[m + 3, o] = a00 * s0, a01 * s0, a02 * s0, a03 * s0
+            out[m, o + 1], out[m + 1, o + 1], out[m + 2, o + 1] = a10 * s1, a11 * s1, a12 * s1
+            out[m + 3, o + 1], out[m, o + 2], out[m + 1, o + 2] = a13 * s1, a20 * s2, a21 * s2
+            out[m + 2, o + 2], out[m + 3, o + 2], out[m, o + 3] = a22 * s2, a23 * s2, a30 * s3
+            out[m + 1, o + 3], out[m + 2, o + 3], out[m + 3, o + 3] = a31 * s3, a32 * s3, a33 * s3
+    for o in range(o0, o1):                                     # what no tile covered
+        _rows_from(w, x, out, o, M4 if o < o4 else 0)
 
 
 
