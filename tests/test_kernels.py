@@ -47,7 +47,7 @@ def test_linear_panels_matches_numpy(fmt, M, O, I):
 @pytest.mark.parametrize("O, I", [(1, 32), (33, 64), (130, 96), (7, 1536), (5, 544)])
 def test_linear_with_int8_inputs_matches_numpy(fmt, M, O, I):
     """Weights that multiply int8-rounded inputs: the integer row dots below TILE_MIN_ROWS rows (4-bit weights: up
-    to 16), the integer tiles from dispatch.integer_tiles_from rows (8-bit weights: 8 with VNNI, 12 with AVX2; 12
+    to 16), the integer tiles from dispatch.integer_tiles_from rows (8-bit weights: 8; 12
     for Q5_0, 17 for 4-bit ones; run under TINYLLM_ISA=avx2 too), else the tiled float kernels on the rounded rows, BLAS beyond SMALL_M rows, all
     against NumpyOps.linear."""
     w = RNG.normal(0, 0.1, (O, I)).astype(np.float32)

@@ -47,10 +47,10 @@ FEW_TOKENS = 16   # up to this many query tokens attention splits over positions
 FUSED_ROWS = 0 if config.DISABLE_JIT else FEW_TOKENS   # the fused block needs compiled code (linear_into)
 PREFILL_CHUNK = SMALL_M   # a longer prompt is prefilled in chunks this long: every pass stays in these kernels
 # With int8 inputs, from this many rows the integer tiles; below, the integer row dots. 8-bit weights: a batch of 8
-# too with VNNI, from 12 with AVX2 (whose tiles cost more); 4-bit ones: past FEW_TOKENS, as a tile's 4-bit panels
+# too (VNNI or AVX2); 4-bit ones: past FEW_TOKENS, as a tile's 4-bit panels
 # cost more to pack; Q5_0 (its panels are int8 blocks) in between (docs/design/kernels.md, "Prompt chunks"); Q6_K
 # has no tiles: past FEW_TOKENS, the float kernels
-INTEGER_TILES_FROM = TILE_MIN_ROWS if intdot.USE_VNNI else 12
+INTEGER_TILES_FROM = TILE_MIN_ROWS
 Q4_INTEGER_TILES_FROM = FEW_TOKENS + 1
 Q5_INTEGER_TILES_FROM = 12
 

@@ -130,7 +130,7 @@ if INT_DOTS and not config.DISABLE_JIT:          # the tile's IR needs VNNI; the
     from llvmlite import ir
     from numba.core import cgutils
 
-    from .llvm_ir import call
+    from .llvm_ir import call, prefetch
 
     _i32, _i64, _f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
     _V16i32, _V16f32 = ir.VectorType(_i32, PANEL_ROWS), ir.VectorType(_f32, PANEL_ROWS)
@@ -191,15 +191,22 @@ if INT_DOTS and not config.DISABLE_JIT:          # the tile's IR needs VNNI; the
     def _pack_codegen(context, builder, signature, args):
         """Whole panels only (16 rows, I a multiple of 64): each 16 x 16 block of 4-byte words (16 rows' next 64
         bytes) is read as 16 vectors and transposed in registers, halving the block size each round: at size h,
-        rows i and i + h swap their off-diagonal h x h blocks (4 rounds of 16 two-vector shuffles)."""
+        rows i and i + h swap their off-diagonal h x h blocks (4 rounds of 16 two-vector shuffles). The same 64
+        bytes of the next panel's rows, if q has them, are asked for into L2 meanwhile: 16 rows read side by side
+        are short streams the hardware prefetcher keeps restarting (dot_tiles.py says more)."""
         q, panel = (cgutils.create_struct_proxy(t)(context, builder, value=v)
                     for t, v in zip((signature.args[0], signature.args[2]), (args[0], args[2])))
         o0 = context.cast(builder, args[1], signature.args[1], types.int64)
-        width = cgutils.unpack_tuple(builder, q.shape, 2)[1]                       # I
+        n_rows, width = cgutils.unpack_tuple(builder, q.shape, 2)                  # O, I
         const = lambda n: ir.Constant(_i64, n)                                     # noqa: E731
         first_row = builder.gep(q.data, [builder.mul(o0, width)])
+        next_panel = builder.icmp_signed("<=", builder.add(o0, const(2 * PANEL_ROWS)), n_rows)
         with cgutils.for_range(builder, builder.udiv(width, const(64))) as loop:
             at = builder.mul(loop.index, const(64))                                # this block's first byte
+            with builder.if_then(next_panel):
+                for r in range(PANEL_ROWS, 2 * PANEL_ROWS):
+                    prefetch(builder, builder.gep(first_row, [builder.add(builder.mul(const(r), width), at)]),
+                             into_l2=True)
             words = [builder.load(builder.bitcast(builder.gep(first_row, [builder.add(builder.mul(const(r), width),
                                                                                       at)]),
                                                   _V16i32.as_pointer()), align=1) for r in range(PANEL_ROWS)]
