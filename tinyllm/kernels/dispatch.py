@@ -34,7 +34,7 @@ from .kquant_kernels import (as_q4_weight, linear_q4k, linear_q4k_a8, linear_q6k
                              q4k_rows_task, q6k_a8_task, q6k_rows_task)
 from .linear_kernels import (OUT_BLOCK, TILE_MIN_ROWS, int8_a8_task, linear_int8_a8, linear_rows, linear_tiled, n_tasks,
                              quantize_rows, round_rows, rows_task)
-from .panel_kernels import PANEL_MIN_ROWS, PANELS_FOR_INT8, linear_integer_panels, linear_panels
+from .panel_kernels import PANEL_MIN_ROWS, PANELS_FOR_FP32, PANELS_FOR_INT8, linear_integer_panels, linear_panels
 from .q4_kernels import linear_q4, linear_q4_a8, q4_a8_task, q4_inputs, q4_rows_task, split_halves
 from .q5_kernels import linear_q5, linear_q5_a8, linear_q5_panels, q5_a8_task, q5_rows_task
 from .pointwise import swiglu_into, swiglu_rows_into
@@ -82,8 +82,10 @@ def linear_into(w, x, out, int8_inputs: bool, int_dots: bool) -> None:
                           else (linear_q5, linear_q5, linear_q5_a8) if isinstance(w, Q5Weight)       # (no tiles)
                           else (linear_rows, linear_tiled, linear_int8_a8))
     k_quant, five_bit = isinstance(w, Q6KWeight), isinstance(w, Q5Weight)
-    if x.shape[0] >= PANEL_MIN_ROWS and not (k_quant or five_bit) and (not isinstance(w, INT8) or PANELS_FOR_INT8):
-        many = linear_panels                                             # a prompt chunk (int8: no AVX-512)
+    panels = (PANELS_FOR_INT8 if isinstance(w, INT8) else PANELS_FOR_FP32 if isinstance(w, Float32Weight)
+              else not (k_quant or five_bit))
+    if x.shape[0] >= PANEL_MIN_ROWS and panels:
+        many = linear_panels                                 # a prompt chunk (fp32, int8: only without AVX-512)
     rounded = int8_inputs and isinstance(w, QUANTIZED)
     tiles_from = integer_tiles_from(w)
     row_dots_below = tiles_from if intdot.USE_INT_DOTS else TILE_MIN_ROWS

@@ -25,11 +25,11 @@ from .register_tiles import LANES, WIDE, product
 from .weight_formats import Float32Weight, Int8BlockWeight, Int8Weight, Q4Weight, typed_as
 
 # --- float inputs: weight rows dequantized once, input columns in register tiles ------------------------------
-# From this many input rows on (a prompt chunk, a batch of 32), `linear_panels` beats linear_kernels.py's 4 x 4
-# tiles: with AVX-512's wide register tiles for fp32 and 4-bit weights (int8 even); with the narrow tiles of a CPU
-# without AVX-512 for every format (docs/design/kernels.md, "Prompt chunks")
+# From this many input rows on (a prompt chunk, a batch of 32), `linear_panels` beats linear_kernels.py's tiles:
+# with AVX-512 for 4-bit weights (int8 even; fp32's dot tiles stay ahead up to 128 rows); with the narrow tiles of
+# a CPU without AVX-512 for every format (docs/design/kernels.md, "Prompt chunks")
 PANEL_MIN_ROWS = 32
-PANELS_FOR_INT8 = not WIDE
+PANELS_FOR_INT8 = PANELS_FOR_FP32 = not WIDE
 PANEL_ROWS = 16   # weight rows per task: a whole 64-byte line of each of out's rows
 STRIP = 2 * LANES if WIDE else LANES   # input rows per strip of x^T: the widest tile of 8 x 2 vectors, or 6 x 1
 
