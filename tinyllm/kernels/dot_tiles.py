@@ -28,13 +28,12 @@ from numba import config, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .isa import FEATURES
 from .llvm_ir import call, lane_total, prefetch
 from .numerics import SERIAL
+from .register_tiles import WIDE
 
-_WIDE = "avx512f" in FEATURES             # (isa.py: none under NUMBA_DISABLE_JIT, AVX2's with TINYLLM_ISA=avx2)
-DOT_ROWS, DOT_INPUTS = (4, 4) if _WIDE else (2, 4)
-_LANES = 16 if _WIDE else 8               # floats per vector of partial sums
+DOT_ROWS, DOT_INPUTS = (4, 4) if WIDE else (2, 4)
+_LANES = 16 if WIDE else 8                # floats per vector of partial sums
 
 
 @njit(**SERIAL)
