@@ -663,7 +663,7 @@ import signal
 import time
 import numpy as np
 from test_model import random_model
-from tinyllm.kernels import block, q4_kernels
+from tinyllm.kernels import attention_kernels, block
 warmup = importlib.import_module("tinyllm.kernels.warmup")     # (the package exports the function of that name)
 
 def tiny():
@@ -673,7 +673,8 @@ model = tiny()                                                  # warms up: a fi
 blocks = [("q4_1", False, "float32", (model.config.head_dim, model.config.kv_mul))]
 signal.signal(signal.SIGINT, signal.SIG_IGN)     # a Ctrl-C in a terminal reaches its whole process group: the
 os.killpg(os.getpgrp(), signal.SIGINT)           # background compile is in a session of its own and goes on
-assert q4_kernels.linear_q4._cache._cache_file._load_index(), "the decode kernels came from the second process"
+assert attention_kernels.decode_attention._cache._cache_file._load_index(), "decode attention: from the helper"
+assert warmup._pending_prompt, "the prompt kernels: compiling in the background, first"
 assert warmup._pending and not block.BLOCKS[False].overloads, "the fused blocks: compiling in the background"
 assert not model.compute.fuses(1) and block._plain_only
 
@@ -710,9 +711,10 @@ print(json.dumps(blocks))
 
 @pytest.mark.slow
 def test_first_run_compiles_in_second_processes_and_fuses_when_the_blocks_are_ready(tmp_path):
-    """On a first run (an empty Numba cache) a second process compiles the decode kernels while this one compiles
-    the prompt kernels, and this one waits for them; the fused blocks then compile in another, not waited for:
-    this process decodes op by op (the same logits) until the plain blocks are in the cache, then loads and runs
+    """On a first run (an empty Numba cache) a second process compiles decode attention while this one compiles
+    the one-row linears, and this one waits for it; the prompt kernels and then the fused blocks compile in another,
+    not waited for: this process prefills in short chunks and decodes op by op (the same logits) until the plain
+    blocks are in the cache, then loads and runs
     them, and the threaded ones when they are there too (warmup.py); later runs load both. A Ctrl-C to the run's process group does not stop that
     compile (it killed it, and the stale lock file held the blocks off for 15 minutes)."""
     import os
@@ -723,7 +725,8 @@ def test_first_run_compiles_in_second_processes_and_fuses_when_the_blocks_are_re
     r = subprocess.run([sys.executable, "-c", HELPER_CHECK], cwd=Path(__file__).parent, env=env, capture_output=True,
                        text=True, timeout=1500, start_new_session=True)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "(the fused decode blocks go on in the background: until then, decoding is slower)" in r.stderr, r.stderr
+    assert ("(the prompt kernels and fused decode blocks go on in the background: until then, prompts and decoding "
+            "are slower)") in r.stderr, r.stderr
     # a process that has run no parallel kernel loads the plain blocks from that cache (as a helper may): with
     # Numba's threading layer not started, calling one crashed
     load = f"from tinyllm.kernels.warmup import compile_blocks; compile_blocks({r.stdout.strip()}, ('plain',))"
@@ -744,6 +747,33 @@ def _lock_in(tmp_path, monkeypatch, holder: str, age_s: float = 0.0) -> Path:
     path.write_text(holder)
     os.utime(path, (time.time() - age_s, time.time() - age_s))
     return path
+
+
+def test_a_first_run_prefills_in_short_chunks_until_its_prompt_kernels_are_compiled(tmp_path, monkeypatch):
+    """While a first run's background process compiles the prompt kernels (warmup), a prompt of up to LONG_PROMPT
+    tokens goes through in chunks of FIRST_RUN_CHUNK, which the decode kernels take, and a longer one in chunks of
+    PREFILL_CHUNK (compiled on their first call, as at load before); once that process has written its marker file,
+    or has ended (done, or failed: then a chunk compiles what it needs), PREFILL_CHUNK again."""
+    import importlib
+    import subprocess
+    warmup = importlib.import_module("tinyllm.kernels.warmup")
+    assert warmup.prefill_chunk(12) == warmup.PREFILL_CHUNK, "no background compile: the whole chunk"
+    compiling, marker = subprocess.Popen(["sleep", "60"]), tmp_path / "blocks.prompt"
+    try:
+        monkeypatch.setattr(warmup, "_pending_prompt", [(compiling, marker)])
+        assert warmup.prefill_chunk(12) == warmup.FIRST_RUN_CHUNK < warmup.TILE_MIN_ROWS
+        assert warmup.prefill_chunk(warmup.LONG_PROMPT) == warmup.FIRST_RUN_CHUNK
+        assert warmup.prefill_chunk(warmup.LONG_PROMPT + 1) == warmup.PREFILL_CHUNK
+        assert warmup._pending_prompt and not warmup.prompt_kernels_ready()
+        marker.touch()
+        assert warmup.prefill_chunk(12) == warmup.PREFILL_CHUNK
+        assert not warmup._pending_prompt and not marker.exists(), "seen once: the marker file is removed"
+        ended = subprocess.Popen(["false"])
+        ended.wait()
+        monkeypatch.setattr(warmup, "_pending_prompt", [(ended, tmp_path / "never.prompt")])
+        assert warmup.prompt_kernels_ready() and warmup.prefill_chunk(12) == warmup.PREFILL_CHUNK
+    finally:
+        compiling.kill(), compiling.wait()
 
 
 def test_a_compile_lock_is_taken_over_when_its_holder_is_gone(tmp_path, monkeypatch):

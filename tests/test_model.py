@@ -70,7 +70,36 @@ def test_long_prompt_prefills_in_chunks_like_one_pass(arch):
     np.testing.assert_allclose(model.prefill(ids, cache), reference.prefill(ids, reference_cache), atol=1e-4)
     np.testing.assert_allclose(cache.k, reference_cache.k, atol=1e-4)
     np.testing.assert_allclose(cache.v, reference_cache.v, atol=1e-4)
-    assert cache.length == 300 and model.compute.prefill_chunk < 300
+    assert cache.length == 300 and model.compute.prefill_chunk(300) < 300
+
+
+@pytest.mark.parametrize("quant, activations", [(None, "float32"), ("q4_1", "int8"), ("int8-block", "int8")])
+def test_a_first_runs_short_prefill_chunks_give_the_one_pass_logits_and_cache(quant, activations, tmp_path,
+                                                                              monkeypatch):
+    """While a first run's prompt kernels compile in the background (kernels/warmup.py), a prompt goes through in
+    chunks of FIRST_RUN_CHUNK tokens, which the one-row linears and decode attention take: the logits and the cache
+    equal the numpy reference's single pass (to the rounding of the int8 activations)."""
+    import importlib
+    import subprocess
+    warmup = importlib.import_module("tinyllm.kernels.warmup")
+    model, reference = (random_model("llama", quant=quant, activations=activations, dim=64, ffn_dim=64)
+                        for _ in range(2))
+    reference.backend = "numpy"
+    compiling = subprocess.Popen(["sleep", "60"])                   # (stands in for the background compile)
+    chunks, forward = [], model.forward
+    monkeypatch.setattr(model, "forward", lambda ids, **kw: chunks.append(len(ids)) or forward(ids, **kw))
+    try:
+        monkeypatch.setattr(warmup, "_pending_prompt", [(compiling, tmp_path / "prompt")])
+        ids = np.random.default_rng(5).integers(0, 50, 30)
+        cache, reference_cache = model.new_cache(40), reference.new_cache(40)
+        logits = model.prefill(ids, cache)
+    finally:
+        compiling.kill(), compiling.wait()
+    assert chunks == [warmup.FIRST_RUN_CHUNK] * 4 + [30 - 4 * warmup.FIRST_RUN_CHUNK]
+    atol = 1e-4 if activations == "float32" else 0.05
+    np.testing.assert_allclose(logits, reference.prefill(ids, reference_cache), atol=atol)
+    np.testing.assert_allclose(cache.k, reference_cache.k, atol=atol)
+    np.testing.assert_allclose(cache.v, reference_cache.v, atol=atol)
 
 
 def test_prefill_that_does_not_fit_leaves_the_cache_as_it_was(model):

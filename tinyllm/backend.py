@@ -5,10 +5,11 @@
                    cache's stored format, a Llama block of a decode step as one compiled call, warm-up
 
 Each offers the same few things to the model: `ops_for(n_rows)`, the functions a pass of that many rows runs
-(linear, rmsnorm, layernorm, apply_rope, swiglu, gelu_tanh, gelu, attention, paged_attention); `prefill_chunk`, how
-many prompt tokens one pass takes; `decode_blocks(model, x, segment)`, the fused block when `fuses` says so; and
-`warm_up`, compiling what a model and a cache format need before the first request; `governed(key)`, the thread
-count of a step (threads.py: fewer threads while other work keeps the cores busy).
+(linear, rmsnorm, layernorm, apply_rope, swiglu, gelu_tanh, gelu, attention, paged_attention);
+`prefill_chunk(remaining)`, how many of a prompt's remaining tokens the next pass takes; `decode_blocks(model, x,
+segment)`, the fused block when `fuses` says so; and `warm_up`, compiling what a model and a cache format need
+before the first request; `governed(key)`, the thread count of a step (threads.py: fewer threads while other work
+keeps the cores busy).
 """
 from __future__ import annotations
 
@@ -55,7 +56,9 @@ class NumpyOps:
 
 class NumpyBackend:
     name = "numpy"
-    prefill_chunk = 0                   # a prompt in one pass: one big matmul per weight
+
+    def prefill_chunk(self, remaining: int) -> int:
+        return remaining                # a prompt in one pass: one big matmul per weight
 
     def ops_for(self, n_rows: int):
         return NumpyOps
@@ -82,7 +85,6 @@ class NumbaBackend:
     def __init__(self):
         from . import kernels           # imports numba: only a model that runs on it pays for that
         self.kernels = kernels
-        self.prefill_chunk = kernels.PREFILL_CHUNK      # a longer prompt goes in chunks: each stays in the kernels
         self._layer_operands = weakref.WeakKeyDictionary()    # LayerWeights -> what the fused block takes of it
         self._last_layers = ((), [], 0)                       # (the layers of the last step, their operands, bytes)
         self._cache_operands = weakref.WeakKeyDictionary()    # cache -> per layer, what it takes of K and V
@@ -91,6 +93,11 @@ class NumbaBackend:
 
     def ops_for(self, n_rows: int):
         return self.kernels.for_rows(n_rows)
+
+    def prefill_chunk(self, remaining: int) -> int:
+        """A longer prompt goes in chunks, each of which stays in the kernels (fewer while a first run's prompt
+        kernels compile: warmup.prefill_chunk)."""
+        return self.kernels.prefill_chunk(remaining)
 
     def fuses(self, n_rows: int) -> bool:
         return n_rows <= self.kernels.FUSED_ROWS and self.kernels.blocks_ready()   # (a first run: op by op until

@@ -156,9 +156,11 @@ class Transformer:
         """
         ids = self._check_ids(ids)
         self._check_room(len(ids), cache)                           # all or nothing: no chunk is cached if it fails
-        chunk = self.compute.prefill_chunk or len(ids)
-        for s in range(0, len(ids), chunk):
-            logits = self.forward(ids[s:s + chunk], cache=cache, last_only=True, trace=trace, edit=edit)[0]
+        start = 0
+        while start < len(ids):
+            chunk = self.compute.prefill_chunk(len(ids) - start)
+            logits = self.forward(ids[start:start + chunk], cache=cache, last_only=True, trace=trace, edit=edit)[0]
+            start += chunk
         return logits
 
     def decode_step(self, token_id: int, cache: ContiguousKVCache, trace=None, edit=None) -> np.ndarray:

@@ -47,13 +47,13 @@ from .block import block_weights, cache_operands, decode_blocks  # noqa: E402
 from .dispatch import FUSED_ROWS, PREFILL_CHUNK, SMALL_M, attention, linear, paged_attention, swiglu  # noqa: E402
 from .intdot import HAVE_VNNI  # noqa: E402
 from .pointwise import apply_rope, rmsnorm  # noqa: E402
-from .warmup import blocks_ready, warmup, warmup_paged  # noqa: E402
+from .warmup import blocks_ready, prefill_chunk, warmup, warmup_paged  # noqa: E402
 
 layernorm, gelu_tanh, gelu = ops.layernorm, ops.gelu_tanh, ops.gelu     # not hot: the numpy functions serve
 
 __all__ = ["linear", "rmsnorm", "layernorm", "apply_rope", "swiglu", "gelu_tanh", "gelu", "attention", "paged_attention",
            "decode_blocks", "block_weights", "cache_operands", "for_rows", "FUSED_ROWS", "PREFILL_CHUNK", "SMALL_M",
-           "HAVE_VNNI", "blocks_ready", "warmup", "warmup_paged", "get_num_threads", "set_num_threads"]
+           "HAVE_VNNI", "blocks_ready", "prefill_chunk", "warmup", "warmup_paged", "get_num_threads", "set_num_threads"]
 
 
 def for_rows(n_rows: int):

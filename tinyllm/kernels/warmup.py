@@ -26,7 +26,7 @@ from ..kv_cache import int8_group, kv_storage
 from ..quant import BLOCK, Int8Block, Int8Channel, Q4Block, Q4KBlock, Q5Block, Q6KBlock, quantize
 from . import intdot
 from .block import BLOCKS, THREADED_BLOCKS, plain_blocks_only
-from .dispatch import FEW_TOKENS, FUSED_ROWS, attention, linear, paged_attention, swiglu
+from .dispatch import FEW_TOKENS, FUSED_ROWS, PREFILL_CHUNK, attention, linear, paged_attention, swiglu
 from .kv_formats import kernel_operands
 from .kv_rows import row_shape, row_shape_of
 from .linear_kernels import TILE_MIN_ROWS
@@ -162,22 +162,41 @@ def _warm_ops() -> None:
         _done.add(("ops",))
 
 
-def warm_decode_kernels(blocks, head_linears=(), ops: bool = False) -> None:
+def warm_decode_kernels(blocks, head_linears=(), ops: bool = False, first_run: bool = False) -> None:
     """The big kernels of a decode step for each (weight format, int8 activations, kv_dtype, heads) in `blocks`:
     each matrix's linears of one row and, with float activations, of a few (a verification pass: the float tiles;
     int8 activations take the prompt chunk's integer tiles there), and decode attention (the fused blocks call them
     too); the output head's one-row linear of each (format, int8 activations) in head_linears; the small ops if
-    `ops`."""
+    `ops`. first_run: the linears of one row only, no attention (a first run's share: warmup)."""
     for fmt, int8_inputs, kv_dtype, heads in blocks:
         fmt, heads = _spec(fmt, heads)
         for f in _each_matrix(fmt):
-            for rows in (1,) if int8_inputs else (1, TILE_MIN_ROWS):
+            for rows in (1,) if int8_inputs or first_run else (1, TILE_MIN_ROWS):
                 _warm_linear(f, int8_inputs and f is not None, rows)
-        _warm_attention(kv_dtype, heads, ("decode",))
+        if not first_run:
+            _warm_attention(kv_dtype, heads, ("decode",))
     for fmt, int8_inputs in head_linears:
         _warm_linear(fmt, int8_inputs, 1)
     if ops:
         _warm_ops()
+
+
+def warm_decode_attention(blocks) -> None:
+    """Decode attention for each (weight format, int8 activations, kv_dtype, heads) in `blocks` (a first run's
+    other share: warmup)."""
+    for _, _, kv_dtype, heads in blocks:
+        _warm_attention(kv_dtype, _spec(None, heads)[1], ("decode",))
+
+
+def warm_prompt_kernels(blocks) -> None:
+    """What prompt chunks run, for each (weight format, int8 activations, kv_dtype, heads) in `blocks`: each
+    matrix's linears of TILE_MIN_ROWS and PANEL_MIN_ROWS rows (the tiles and panels) and tiled causal attention."""
+    for fmt, int8_inputs, kv_dtype, heads in blocks:
+        fmt, heads = _spec(fmt, heads)
+        for f in _each_matrix(fmt):
+            for rows in (TILE_MIN_ROWS, PANEL_MIN_ROWS):
+                _warm_linear(f, int8_inputs and f is not None, rows)
+        _warm_attention(kv_dtype, heads, ("prefill",))
 
 
 def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False, fused: bool = True,
@@ -190,9 +209,11 @@ def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False
     its activations setting (int8_inputs) and a KV cache of kv_dtype; attention for `heads` (the model's head size
     and query heads per KV head: kv_rows.py compiles code for them) and the small ops.
 
-    Where the cache lacks this model's fused blocks (a first run), both cores compile: a second process the decode
-    kernels while this one compiles the prompt kernels; then the blocks compile in the background, and this process
-    decodes op by op until it can load them (blocks_ready). -> seconds it took."""
+    Where the cache lacks this model's fused blocks (a first run), both cores compile what a first prompt and its
+    decoding need, and nothing more: a second process decode attention, this one the one-row linears and the small
+    ops. Then a background process compiles the prompt kernels (the tiles and panels, tiled attention) and the fused
+    blocks; meanwhile this process prefills a short prompt in chunks that the decode kernels take (prefill_chunk)
+    and decodes op by op (blocks_ready). TINYLLM_WAIT_FOR_BLOCKS=1 compiles it all here. -> seconds it took."""
     global _threaded_helper
     t0 = time.perf_counter()
     layers = {_layer_formats(t) for t in matrix_types}
@@ -210,34 +231,52 @@ def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False
     with compile_notice(t0, what) as notice:
         missing = [b for b in blocks if not _in_the_cache([b], "plain")]
         head_linears = [(fmt, int8_inputs_of[fmt]) for fmt in head_formats - matrices]
-        # the small ops on the side with less to do: the helper's with int8 activations (a prompt chunk's integer
-        # tiles take longer to compile than the float ones), else this one's
-        ops_there = any(int8 for _, int8, _, _ in missing)
-        helper = _in_a_second_process("decode", missing, head_linears, ops_there) if missing else None
-        if helper is not None:      # meanwhile, the prompt kernels here
-            _warm_attention(kv_dtype, heads, ("prefill",))
+        # (TINYLLM_WAIT_FOR_BLOCKS=1: everything compiled here, so that the first step fuses; the test suite's
+        # fused-step tests expect that)
+        first_run = bool(missing) and os.environ.get("TINYLLM_WAIT_FOR_BLOCKS", "0") == "0"
+        # the small ops on the side with less to do: on a first run here, else the helper's with int8 activations
+        # (the prompt chunk's integer tiles take longer to compile than the float ones)
+        ops_there = not first_run and any(int8 for _, int8, _, _ in missing)
+        helper = _in_a_second_process("first" if first_run else "decode", missing, head_linears,
+                                      ops_there) if missing else None
+        first_run = first_run and helper is not None
+        if helper is not None:      # meanwhile, here: the one-row linears (a first run) or the prompt kernels
+            if first_run:
+                warm_decode_kernels(missing, head_linears, first_run=True)
+            else:
+                _warm_attention(kv_dtype, heads, ("prefill",))
+                for fmt in matrices:
+                    _warm_linear(fmt, int8_inputs_of[fmt], PANEL_MIN_ROWS)
             if not ops_there:
                 _warm_ops()
-            for fmt in matrices:
-                _warm_linear(fmt, int8_inputs_of[fmt], PANEL_MIN_ROWS)
             _wait(helper)
-        for fmt in int8_inputs_of:  # then the rest: loaded from the cache where the helper compiled it
-            for rows in (1, TILE_MIN_ROWS, PANEL_MIN_ROWS) if fmt in matrices or batched else (1,):
+        # then the rest: loaded from the cache where the helper compiled it (while a background process compiles
+        # the prompt kernels, a first run's or an earlier call's, the decode kernels only)
+        decode_only = first_run or not prompt_kernels_ready()
+        for fmt in int8_inputs_of:
+            for rows in (1,) if decode_only else (1, TILE_MIN_ROWS, PANEL_MIN_ROWS) if fmt in matrices or batched \
+                    else (1,):
                 _warm_linear(fmt, int8_inputs_of[fmt], rows)
-        _warm_attention(kv_dtype, heads)
+        _warm_attention(kv_dtype, heads, ("decode",) if decode_only else ("decode", "prefill"))
         _warm_ops()
         later = []
-        # the missing blocks: compiled in the background and loaded when they are ready (TINYLLM_WAIT_FOR_BLOCKS=1:
-        # compiled here, so that the first step fuses; the test suite's fused-step tests expect that)
-        if helper is not None and os.environ.get("TINYLLM_WAIT_FOR_BLOCKS", "0") == "0":
-            background = _in_a_second_process(("plain", "threaded"), missing)
+        # the missing blocks (and on a first run the prompt kernels, first): compiled in the background and loaded
+        # when they are ready
+        if first_run:
+            _prompt_marker(missing).unlink(missing_ok=True)
+            background = _in_a_second_process(("prompt", "plain", "threaded"), missing)
+            if background is None:  # (no second process after all: the prompt kernels here, as before)
+                warm_prompt_kernels(missing)
+            elif background is not _ELSEWHERE:
+                _pending_prompt.append((background, _prompt_marker(missing)))
             if background is not None:
                 _pending.extend(missing)
                 _pending_threaded.extend(missing)
                 _pending_groups.append(missing)
                 later = missing
                 plain_blocks_only()   # (then the threaded ones, when they are ready too)
-                notice.later = " (the fused decode blocks go on in the background: until then, decoding is slower)"
+                notice.later = (" (the prompt kernels and fused decode blocks go on in the background: until then, "
+                                "prompts and decoding are slower)")
         now = [b for b in blocks if b not in later]
         if now and _threaded_helper is None and not _in_the_cache(now, "threaded"):   # (one helper per process
             _threaded_helper = _in_a_second_process(("threaded",), now)               # at most, and per machine)
@@ -252,6 +291,7 @@ def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False
 
 
 _pending: list = []     # fused blocks whose plain kind a second process is compiling (op by op until it is ready)
+_pending_prompt: list = []   # (process, marker file): a background process compiling the prompt kernels first
 _pending_threaded: list = []   # fused blocks whose threaded kind it is compiling (the plain ones run until then)
 _pending_groups: list = []   # both as the lists given to the second processes (each has its own lock)
 RESTARTS = 1            # how often a process starts the background compile again if its helper died
@@ -288,6 +328,36 @@ def blocks_ready() -> bool:
     return True
 
 
+FIRST_RUN_CHUNK = TILE_MIN_ROWS - 1   # prompt tokens a pass takes while the prompt kernels compile: the one-row
+                                      # linears and decode attention take them
+LONG_PROMPT = 4 * PREFILL_CHUNK       # more tokens than this left: compiled here rather than waited for
+
+
+def prefill_chunk(remaining: int) -> int:
+    """How many of a prompt's `remaining` tokens the next pass takes: PREFILL_CHUNK, or on a first run, while a
+    background process compiles the prompt kernels (warmup), FIRST_RUN_CHUNK, unless more than LONG_PROMPT remain
+    (those compile here on their first call, as they would have at load)."""
+    if _pending_prompt and remaining <= LONG_PROMPT and not prompt_kernels_ready():
+        return FIRST_RUN_CHUNK
+    return PREFILL_CHUNK
+
+
+def prompt_kernels_ready() -> bool:
+    """Whether the prompt kernels are in the cache: the background process that compiles them first (warmup) has
+    written its marker file, or ended (if it failed, a prompt chunk compiles them on its first call)."""
+    for process, marker in list(_pending_prompt):
+        if marker.exists() or process.poll() is not None:
+            marker.unlink(missing_ok=True)
+            _pending_prompt.remove((process, marker))
+    return not _pending_prompt
+
+
+def _prompt_marker(blocks) -> Path:
+    """The file a background process writes once it has compiled the prompt kernels for `blocks` (and removes when
+    it ends)."""
+    return _lock_path(blocks).with_suffix(".prompt")
+
+
 def _restart_dead_helpers() -> None:
     """Start the background compile again for pending blocks whose helper died without filling the cache (killed by
     SIGKILL or the out-of-memory killer, or it failed): else this process would decode op by op for the rest of its
@@ -322,13 +392,14 @@ def compile_blocks(blocks, kinds=("plain", "threaded")) -> None:
 def _in_a_second_process(task, blocks, head_linears=(), ops: bool = False):
     """Compile for `blocks` in a second process (Numba compiles one function at a time per process): task "decode",
     their decode kernels, head_linears' and (if `ops`) the small ops (warm_decode_kernels; waited for, while this
-    process compiles the prompt kernels), or a tuple of fused block kinds ("plain", "threaded"), at the lowest
-    priority and not waited for (at most one such process per machine for the same blocks, by a lock file). -> the
-    process, _ELSEWHERE (another process holds the lock: it will fill the cache), or None (one core,
-    TINYLLM_COMPILE_HELPER=0, or no way to start it: this process compiles it all)."""
+    process compiles the prompt kernels), or "first", decode attention (warm_decode_attention: a first run's), or a
+    tuple of fused block kinds ("plain", "threaded"), first "prompt" if it is there (warm_prompt_kernels, then a
+    marker file: _prompt_marker), at the lowest priority and not waited for (at most one such process per machine
+    for the same blocks, by a lock file). -> the process, _ELSEWHERE (another process holds the lock: it will fill
+    the cache), or None (one core, TINYLLM_COMPILE_HELPER=0, or no way to start it: this process compiles it all)."""
     if not blocks or (os.cpu_count() or 1) < 2 or os.environ.get("TINYLLM_COMPILE_HELPER", "1") == "0":
         return None
-    background = task != "decode"              # the blocks: not waited for, and not stopped by this run's Ctrl-C
+    background = task not in ("decode", "first")   # the blocks: not waited for, not stopped by this run's Ctrl-C
     lock = ""
     try:
         if background:
@@ -337,9 +408,15 @@ def _in_a_second_process(task, blocks, head_linears=(), ops: bool = False):
                 return _ELSEWHERE
         paths = (str(_ROOT), os.environ.get("PYTHONPATH"))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
-        code = ("import json, os, sys\nfrom tinyllm.kernels.warmup import compile_blocks, warm_decode_kernels\n"
+        code = ("import importlib, json, os, sys\nw = importlib.import_module('tinyllm.kernels.warmup')\n"
                 "task, blocks, heads, ops = (json.loads(a) for a in sys.argv[1:5])\n"
-                "warm_decode_kernels(blocks, heads, ops) if task == 'decode' else compile_blocks(blocks, tuple(task))\n"
+                "if task == 'decode':\n    w.warm_decode_kernels(blocks, heads, ops)\n"
+                "elif task == 'first':\n    w.warm_decode_attention(blocks)\n"
+                "elif 'prompt' in task:\n    w.warm_prompt_kernels(blocks)\n"
+                "    w._prompt_marker(blocks).touch()\n"
+                "if task not in ('decode', 'first'):\n"
+                "    w.compile_blocks(blocks, tuple(k for k in task if k != 'prompt'))\n"
+                "    w._prompt_marker(blocks).unlink(missing_ok=True)\n"
                 "if sys.argv[5]:\n    os.remove(sys.argv[5])")
         lowest = background and hasattr(os, "nice")                 # (at the lowest priority: not in the way of
         arguments = [*map(json.dumps, (task, blocks, head_linears, ops)), lock]             # this run's threads)
@@ -419,14 +496,17 @@ def _alive(pid: int) -> bool:
 def warmup_paged(kv_dtype: str = "float32", heads: tuple = (64, 1)) -> float:
     """Compile (or load) what batches need: the paged-attention kernel for blocks of kv_dtype (and the other
     attention kernels of that format), and the tiled linears of output heads warmed so far for one row only.
-    PagedKVCache calls it when a pool is made, so only users of a paged pool pay for it. -> seconds it took."""
+    PagedKVCache calls it when a pool is made, so only users of a paged pool pay for it; on a first run it waits
+    for the prompt kernels (a server's first batch would compile them otherwise). -> seconds it took."""
     one_row_only = [(fmt, int8_inputs) for _, fmt, int8_inputs, rows in (key for key in _done if key[0] == "linear")
                     if rows == 1 and ("linear", fmt, int8_inputs, TILE_MIN_ROWS) not in _done]
     heads = tuple(heads)
-    if ("paged", kv_dtype, heads) in _done and not one_row_only:
+    if ("paged", kv_dtype, heads) in _done and not one_row_only and prompt_kernels_ready():
         return 0.0
     t0 = time.perf_counter()
     with compile_notice(t0, f"batches (paged attention over {kv_dtype} blocks)"):
+        while not prompt_kernels_ready() and time.perf_counter() - t0 < HELPER_TIMEOUT_S:
+            time.sleep(0.1)
         H, KVH, Dh = _dummy_heads(heads, kv_dtype)
         blocks = kv_storage((2, 2, KVH, Dh), kv_dtype)              # [NB, BS, KVH, Dh]
         blocks[:] = np.ones((2, 2, KVH, Dh), np.float32)
