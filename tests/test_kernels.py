@@ -751,26 +751,32 @@ def _lock_in(tmp_path, monkeypatch, holder: str, age_s: float = 0.0) -> Path:
 
 def test_a_first_run_prefills_in_short_chunks_until_its_prompt_kernels_are_compiled(tmp_path, monkeypatch):
     """While a first run's background process compiles the prompt kernels (warmup), a prompt of up to LONG_PROMPT
-    tokens goes through in chunks of FIRST_RUN_CHUNK, which the decode kernels take, and a longer one in chunks of
-    PREFILL_CHUNK (compiled on their first call, as at load before); once that process has written its marker file,
-    or has ended (done, or failed: then a chunk compiles what it needs), PREFILL_CHUNK again."""
+    tokens goes through in chunks of FIRST_RUN_CHUNK, which the decode kernels take; for a longer one they are
+    compiled here at once, with the notice (as at load before), and it takes chunks of PREFILL_CHUNK; once that
+    process has written its marker file, or has ended (done, or failed: then a chunk compiles what it needs),
+    PREFILL_CHUNK again."""
     import importlib
     import subprocess
     warmup = importlib.import_module("tinyllm.kernels.warmup")
     assert warmup.prefill_chunk(12) == warmup.PREFILL_CHUNK, "no background compile: the whole chunk"
+    blocks, compiled_here = [(None, False, "float32", (64, 1))], []
+    monkeypatch.setattr(warmup, "warm_prompt_kernels", compiled_here.append)
     compiling, marker = subprocess.Popen(["sleep", "60"]), tmp_path / "blocks.prompt"
     try:
-        monkeypatch.setattr(warmup, "_pending_prompt", [(compiling, marker)])
+        monkeypatch.setattr(warmup, "_pending_prompt", [(compiling, marker, blocks)])
         assert warmup.prefill_chunk(12) == warmup.FIRST_RUN_CHUNK < warmup.TILE_MIN_ROWS
         assert warmup.prefill_chunk(warmup.LONG_PROMPT) == warmup.FIRST_RUN_CHUNK
-        assert warmup.prefill_chunk(warmup.LONG_PROMPT + 1) == warmup.PREFILL_CHUNK
-        assert warmup._pending_prompt and not warmup.prompt_kernels_ready()
+        assert warmup._pending_prompt and not warmup.prompt_kernels_ready() and not compiled_here
         marker.touch()
         assert warmup.prefill_chunk(12) == warmup.PREFILL_CHUNK
         assert not warmup._pending_prompt and not marker.exists(), "seen once: the marker file is removed"
+        monkeypatch.setattr(warmup, "_pending_prompt", [(compiling, marker, blocks)])
+        assert warmup.prefill_chunk(warmup.LONG_PROMPT + 1) == warmup.PREFILL_CHUNK
+        assert compiled_here == [blocks] and not warmup._pending_prompt, "a long prompt: compiled here, once"
+        assert warmup.prefill_chunk(12) == warmup.PREFILL_CHUNK and compiled_here == [blocks]
         ended = subprocess.Popen(["false"])
         ended.wait()
-        monkeypatch.setattr(warmup, "_pending_prompt", [(ended, tmp_path / "never.prompt")])
+        monkeypatch.setattr(warmup, "_pending_prompt", [(ended, tmp_path / "never.prompt", blocks)])
         assert warmup.prompt_kernels_ready() and warmup.prefill_chunk(12) == warmup.PREFILL_CHUNK
     finally:
         compiling.kill(), compiling.wait()

@@ -89,7 +89,7 @@ def test_a_first_runs_short_prefill_chunks_give_the_one_pass_logits_and_cache(qu
     chunks, forward = [], model.forward
     monkeypatch.setattr(model, "forward", lambda ids, **kw: chunks.append(len(ids)) or forward(ids, **kw))
     try:
-        monkeypatch.setattr(warmup, "_pending_prompt", [(compiling, tmp_path / "prompt")])
+        monkeypatch.setattr(warmup, "_pending_prompt", [(compiling, tmp_path / "prompt", [])])
         ids = np.random.default_rng(5).integers(0, 50, 30)
         cache, reference_cache = model.new_cache(40), reference.new_cache(40)
         logits = model.prefill(ids, cache)

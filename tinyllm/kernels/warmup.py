@@ -268,7 +268,7 @@ def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False
             if background is None:  # (no second process after all: the prompt kernels here, as before)
                 warm_prompt_kernels(missing)
             elif background is not _ELSEWHERE:
-                _pending_prompt.append((background, _prompt_marker(missing)))
+                _pending_prompt.append((background, _prompt_marker(missing), missing))
             if background is not None:
                 _pending.extend(missing)
                 _pending_threaded.extend(missing)
@@ -291,7 +291,7 @@ def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False
 
 
 _pending: list = []     # fused blocks whose plain kind a second process is compiling (op by op until it is ready)
-_pending_prompt: list = []   # (process, marker file): a background process compiling the prompt kernels first
+_pending_prompt: list = []   # (process, marker file, blocks): a background process compiling their prompt kernels
 _pending_threaded: list = []   # fused blocks whose threaded kind it is compiling (the plain ones run until then)
 _pending_groups: list = []   # both as the lists given to the second processes (each has its own lock)
 RESTARTS = 1            # how often a process starts the background compile again if its helper died
@@ -330,25 +330,32 @@ def blocks_ready() -> bool:
 
 FIRST_RUN_CHUNK = TILE_MIN_ROWS - 1   # prompt tokens a pass takes while the prompt kernels compile: the one-row
                                       # linears and decode attention take them
-LONG_PROMPT = 4 * PREFILL_CHUNK       # more tokens than this left: compiled here rather than waited for
+LONG_PROMPT = 4 * PREFILL_CHUNK       # more tokens than this left: the prompt kernels compiled here, not waited for
 
 
 def prefill_chunk(remaining: int) -> int:
     """How many of a prompt's `remaining` tokens the next pass takes: PREFILL_CHUNK, or on a first run, while a
-    background process compiles the prompt kernels (warmup), FIRST_RUN_CHUNK, unless more than LONG_PROMPT remain
-    (those compile here on their first call, as they would have at load)."""
-    if _pending_prompt and remaining <= LONG_PROMPT and not prompt_kernels_ready():
-        return FIRST_RUN_CHUNK
+    background process compiles the prompt kernels (warmup), FIRST_RUN_CHUNK; with more than LONG_PROMPT tokens
+    left, those kernels are compiled here then (with the notice), as they were at load before."""
+    if _pending_prompt and not prompt_kernels_ready():
+        if remaining <= LONG_PROMPT:
+            return FIRST_RUN_CHUNK
+        t0 = time.perf_counter()
+        with compile_notice(t0, "long prompts"):
+            for entry in list(_pending_prompt):
+                warm_prompt_kernels(entry[2])
+                _pending_prompt.remove(entry)
     return PREFILL_CHUNK
 
 
 def prompt_kernels_ready() -> bool:
     """Whether the prompt kernels are in the cache: the background process that compiles them first (warmup) has
     written its marker file, or ended (if it failed, a prompt chunk compiles them on its first call)."""
-    for process, marker in list(_pending_prompt):
+    for entry in list(_pending_prompt):
+        process, marker, _ = entry
         if marker.exists() or process.poll() is not None:
             marker.unlink(missing_ok=True)
-            _pending_prompt.remove((process, marker))
+            _pending_prompt.remove(entry)
     return not _pending_prompt
 
 
