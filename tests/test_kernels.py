@@ -347,6 +347,20 @@ def test_decode_attention_matches_numpy(S, H, KVH, Dh):
     np.testing.assert_allclose(kernels.attention(q, k, v, S - 1), want, atol=1e-5)
 
 
+@pytest.mark.parametrize("T, start", [(1, 0), (7, 40), (3, 300)])
+def test_decode_attention_on_one_thread_is_the_parallel_one(T, start, monkeypatch):
+    """A first run's decode attention (dispatch.one_thread_attention, while the parallel kernel compiles in the
+    background) is decode_attention's own code on one thread: the same outputs, bit for bit."""
+    import importlib
+    dispatch = importlib.import_module("tinyllm.kernels.dispatch")
+    q = RNG.normal(size=(T, 9, 64)).astype(np.float32)
+    k, v = (RNG.normal(size=(start + T, 3, 64)).astype(np.float32) for _ in range(2))
+    parallel = kernels.attention(q, k, v, start)
+    monkeypatch.setattr(dispatch, "one_thread_attention", True)
+    np.testing.assert_array_equal(kernels.attention(q, k, v, start), parallel)
+    np.testing.assert_allclose(parallel, NumpyOps.attention(q, k, v, start), atol=1e-5)
+
+
 @pytest.mark.parametrize("T, start", [(2, 0), (5, 7), (16, 40), (17, 0), (4, 300), (37, 63), (128, 1000)])
 @pytest.mark.parametrize("H, KVH, Dh", [(9, 3, 64), (4, 4, 8), (6, 2, 6)])
 def test_causal_attention_matches_numpy(T, start, H, KVH, Dh):
@@ -663,7 +677,7 @@ import signal
 import time
 import numpy as np
 from test_model import random_model
-from tinyllm.kernels import attention_kernels, block
+from tinyllm.kernels import attention_kernels, block, dispatch
 warmup = importlib.import_module("tinyllm.kernels.warmup")     # (the package exports the function of that name)
 
 def tiny():
@@ -673,8 +687,8 @@ model = tiny()                                                  # warms up: a fi
 blocks = [("q4_1", False, "float32", (model.config.head_dim, model.config.kv_mul))]
 signal.signal(signal.SIGINT, signal.SIG_IGN)     # a Ctrl-C in a terminal reaches its whole process group: the
 os.killpg(os.getpgrp(), signal.SIGINT)           # background compile is in a session of its own and goes on
-assert attention_kernels.decode_attention._cache._cache_file._load_index(), "decode attention: from the helper"
-assert warmup._pending_prompt, "the prompt kernels: compiling in the background, first"
+assert attention_kernels.decode_attention_one_thread._cache._cache_file._load_index(), "from the helper"
+assert warmup._pending_prompt and dispatch.one_thread_attention, "the prompt kernels: in the background, first"
 assert warmup._pending and not block.BLOCKS[False].overloads, "the fused blocks: compiling in the background"
 assert not model.compute.fuses(1) and block._plain_only
 
@@ -711,10 +725,10 @@ print(json.dumps(blocks))
 
 @pytest.mark.slow
 def test_first_run_compiles_in_second_processes_and_fuses_when_the_blocks_are_ready(tmp_path):
-    """On a first run (an empty Numba cache) a second process compiles decode attention while this one compiles
-    the one-row linears, and this one waits for it; the prompt kernels and then the fused blocks compile in another,
-    not waited for: this process prefills in short chunks and decodes op by op (the same logits) until the plain
-    blocks are in the cache, then loads and runs
+    """On a first run (an empty Numba cache) a second process compiles decode attention on one thread while this
+    one compiles the one-row linears, and this one waits for it; the prompt kernels and then the fused blocks compile
+    in another, not waited for: this process prefills in short chunks and decodes op by op (the same logits) until
+    the plain blocks are in the cache, then loads and runs
     them, and the threaded ones when they are there too (warmup.py); later runs load both. A Ctrl-C to the run's process group does not stop that
     compile (it killed it, and the stale lock file held the blocks off for 15 minutes)."""
     import os
@@ -758,26 +772,31 @@ def test_a_first_run_prefills_in_short_chunks_until_its_prompt_kernels_are_compi
     import importlib
     import subprocess
     warmup = importlib.import_module("tinyllm.kernels.warmup")
+    dispatch = importlib.import_module("tinyllm.kernels.dispatch")
     assert warmup.prefill_chunk(12) == warmup.PREFILL_CHUNK, "no background compile: the whole chunk"
-    blocks, compiled_here = [(None, False, "float32", (64, 1))], []
+    compiled_here = []
     monkeypatch.setattr(warmup, "warm_prompt_kernels", compiled_here.append)
-    compiling, marker = subprocess.Popen(["sleep", "60"]), tmp_path / "blocks.prompt"
+    monkeypatch.setattr(dispatch, "one_thread_attention", True)
+    compiling = subprocess.Popen(["sleep", "60"])
     try:
-        monkeypatch.setattr(warmup, "_pending_prompt", [(compiling, marker, blocks)])
+        lock = _lock_in(tmp_path, monkeypatch, str(compiling.pid))      # held by a live process
+        blocks, marker = [["q4_1", False, "float32", [64, 3]]], lock.with_suffix(".prompt")
+        assert warmup._prompt_marker(blocks) == marker
+        monkeypatch.setattr(warmup, "_pending_prompt", [(marker, blocks)])
         assert warmup.prefill_chunk(12) == warmup.FIRST_RUN_CHUNK < warmup.TILE_MIN_ROWS
         assert warmup.prefill_chunk(warmup.LONG_PROMPT) == warmup.FIRST_RUN_CHUNK
         assert warmup._pending_prompt and not warmup.prompt_kernels_ready() and not compiled_here
+        assert dispatch.one_thread_attention, "decode attention on one thread until then"
         marker.touch()
         assert warmup.prefill_chunk(12) == warmup.PREFILL_CHUNK
-        assert not warmup._pending_prompt and not marker.exists(), "seen once: the marker file is removed"
-        monkeypatch.setattr(warmup, "_pending_prompt", [(compiling, marker, blocks)])
+        assert not warmup._pending_prompt and not dispatch.one_thread_attention
+        monkeypatch.setattr(warmup, "_pending_prompt", [(tmp_path / "other.prompt", blocks)])
         assert warmup.prefill_chunk(warmup.LONG_PROMPT + 1) == warmup.PREFILL_CHUNK
         assert compiled_here == [blocks] and not warmup._pending_prompt, "a long prompt: compiled here, once"
         assert warmup.prefill_chunk(12) == warmup.PREFILL_CHUNK and compiled_here == [blocks]
-        ended = subprocess.Popen(["false"])
-        ended.wait()
-        monkeypatch.setattr(warmup, "_pending_prompt", [(ended, tmp_path / "never.prompt", blocks)])
-        assert warmup.prompt_kernels_ready() and warmup.prefill_chunk(12) == warmup.PREFILL_CHUNK
+        monkeypatch.setattr(warmup, "_pending_prompt", [(tmp_path / "other.prompt", blocks)])
+        compiling.kill(), compiling.wait()
+        assert warmup.prompt_kernels_ready(), "its process ended (done, or failed): the lock is no longer held"
     finally:
         compiling.kill(), compiling.wait()
 

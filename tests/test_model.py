@@ -77,24 +77,23 @@ def test_long_prompt_prefills_in_chunks_like_one_pass(arch):
 def test_a_first_runs_short_prefill_chunks_give_the_one_pass_logits_and_cache(quant, activations, tmp_path,
                                                                               monkeypatch):
     """While a first run's prompt kernels compile in the background (kernels/warmup.py), a prompt goes through in
-    chunks of FIRST_RUN_CHUNK tokens, which the one-row linears and decode attention take: the logits and the cache
-    equal the numpy reference's single pass (to the rounding of the int8 activations)."""
+    chunks of FIRST_RUN_CHUNK tokens, which the one-row linears and decode attention on one thread take: the logits
+    and the cache equal the numpy reference's single pass (to the rounding of the int8 activations)."""
     import importlib
-    import subprocess
     warmup = importlib.import_module("tinyllm.kernels.warmup")
+    dispatch = importlib.import_module("tinyllm.kernels.dispatch")
     model, reference = (random_model("llama", quant=quant, activations=activations, dim=64, ffn_dim=64)
                         for _ in range(2))
     reference.backend = "numpy"
-    compiling = subprocess.Popen(["sleep", "60"])                   # (stands in for the background compile)
+    model.fused_decode = False                                      # (op by op, as before the blocks are compiled)
     chunks, forward = [], model.forward
     monkeypatch.setattr(model, "forward", lambda ids, **kw: chunks.append(len(ids)) or forward(ids, **kw))
-    try:
-        monkeypatch.setattr(warmup, "_pending_prompt", [(compiling, tmp_path / "prompt", [])])
-        ids = np.random.default_rng(5).integers(0, 50, 30)
-        cache, reference_cache = model.new_cache(40), reference.new_cache(40)
-        logits = model.prefill(ids, cache)
-    finally:
-        compiling.kill(), compiling.wait()
+    monkeypatch.setattr(warmup, "_held", lambda lock: True)         # (a background compile goes on)
+    monkeypatch.setattr(warmup, "_pending_prompt", [(tmp_path / "prompt", [])])
+    monkeypatch.setattr(dispatch, "one_thread_attention", True)
+    ids = np.random.default_rng(5).integers(0, 50, 30)
+    cache, reference_cache = model.new_cache(40), reference.new_cache(40)
+    logits = model.prefill(ids, cache)
     assert chunks == [warmup.FIRST_RUN_CHUNK] * 4 + [30 - 4 * warmup.FIRST_RUN_CHUNK]
     atol = 1e-4 if activations == "float32" else 0.05
     np.testing.assert_allclose(logits, reference.prefill(ids, reference_cache), atol=atol)

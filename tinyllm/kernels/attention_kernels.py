@@ -11,6 +11,8 @@ heads of its KV head.
 """
 from __future__ import annotations
 
+import types
+
 import numpy as np
 from numba import njit, prange
 
@@ -46,6 +48,20 @@ def decode_attention(q, k, ks, v, vs, start, out, shape):
         attend_chunk(q, k, ks, v, vs, start, c * chunk, min(S, (c + 1) * chunk), chunk_max[c], chunk_sum[c],
                      chunk_out[c], shape)
     merge_chunks(chunk_max, chunk_sum, chunk_out, out, 0, H)
+
+
+def _renamed(f, name: str):
+    """A copy of the Python function f named `name` (Numba names a compiled function, and its disk cache file, by
+    the qualified name: the same function compiled twice needs two)."""
+    copy = types.FunctionType(f.__code__, f.__globals__, name, f.__defaults__, f.__closure__)
+    copy.__qualname__, copy.__doc__ = name, f.__doc__
+    return copy
+
+
+# decode_attention's chunks on one thread: what a first run calls while the parallel one compiles in the background
+# (its parallel loop takes 2-3 s of a 4 s compile: kernels/warmup.py)
+decode_attention_one_thread = njit(**SERIAL)(_renamed(getattr(decode_attention, "py_func", decode_attention),
+                                                     "decode_attention_one_thread"))   # (NUMBA_DISABLE_JIT=1: a function)
 
 
 @njit(fastmath=True, cache=True, inline="always")

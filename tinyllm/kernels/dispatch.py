@@ -27,7 +27,7 @@ from numba.extending import overload
 from ..backend import NumpyOps
 from ..quant import BLOCK
 from . import blas, intdot
-from .attention_kernels import decode_attention, paged_decode_attention
+from .attention_kernels import decode_attention, decode_attention_one_thread, paged_decode_attention
 from .kv_formats import kernel_operands
 from .kv_rows import row_shape_of
 from .kquant_kernels import (as_q4_weight, linear_q4k, linear_q4k_a8, linear_q6k, linear_q6k_a8, q4k_a8_task,
@@ -46,6 +46,7 @@ SMALL_M = 128     # up to this many rows the Numba linears beat BLAS (docs/desig
 FEW_TOKENS = 16   # up to this many query tokens attention splits over positions (decode, verification)
 FUSED_ROWS = 0 if config.DISABLE_JIT else FEW_TOKENS   # the fused block needs compiled code (linear_into)
 PREFILL_CHUNK = SMALL_M   # a longer prompt is prefilled in chunks this long: every pass stays in these kernels
+one_thread_attention = False   # a first run's, until the parallel decode attention is compiled (warmup.py)
 # With int8 inputs, from this many rows the integer tiles; below, the integer row dots. 8-bit weights: a batch of 8
 # too (VNNI or AVX2); 4-bit ones: past FEW_TOKENS, as a tile's 4-bit panels
 # cost more to pack; Q5_0 (its panels are int8 blocks) in between (docs/design/kernels.md, "Prompt chunks"); Q6_K
@@ -287,7 +288,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
     # contiguous operands, one compiled version per kernel (without a cache v is a strided view of the qkv rows)
     q, k, v = np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v)
     if T <= FEW_TOKENS:
-        decode_attention(q, k, ks, v, vs, start, out, row_shape_of(k, ks, H // k.shape[1]))
+        (decode_attention_one_thread if one_thread_attention else decode_attention)(
+            q, k, ks, v, vs, start, out, row_shape_of(k, ks, H // k.shape[1]))
     else:
         tiled_causal_attention(q, k, ks, v, vs, start, out)
     return out.reshape(T, H * Dh)

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..kv_cache import int8_group, kv_storage
 from ..quant import BLOCK, Int8Block, Int8Channel, Q4Block, Q4KBlock, Q5Block, Q6KBlock, quantize
-from . import intdot
+from . import dispatch, intdot
 from .block import BLOCKS, THREADED_BLOCKS, plain_blocks_only
 from .dispatch import FEW_TOKENS, FUSED_ROWS, PREFILL_CHUNK, attention, linear, paged_attention, swiglu
 from .kv_formats import kernel_operands
@@ -126,15 +126,19 @@ def _dummy_heads(heads: tuple, kv_dtype: str) -> tuple:
 
 
 def _warm_attention(kv_dtype: str, heads: tuple, kinds=("decode", "prefill")) -> None:
-    """decode_attention (a few query rows) and tiled_causal_attention (a prompt chunk) on a cache of kv_dtype, for
-    heads like the model's (its head size, query heads per KV head)."""
+    """decode_attention (a few query rows; "one thread": its serial twin) and tiled_causal_attention (a prompt
+    chunk) on a cache of kv_dtype, for heads like the model's (its head size, query heads per KV head)."""
     H, KVH, Dh = _dummy_heads(heads, kv_dtype)
     for kind in kinds:
         if ("attention", kind, kv_dtype, heads) not in _done:
-            T = 2 if kind == "decode" else FEW_TOKENS + 1
+            T = FEW_TOKENS + 1 if kind == "prefill" else 2
             kv = kv_storage((T + 1, KVH, Dh), kv_dtype)             # [S, KVH, Dh]
             kv[:] = np.ones((T + 1, KVH, Dh), np.float32)
-            attention(np.ones((T, H, Dh), np.float32), kv, kv, 1)
+            setting, dispatch.one_thread_attention = dispatch.one_thread_attention, kind == "one thread"
+            try:
+                attention(np.ones((T, H, Dh), np.float32), kv, kv, 1)
+            finally:
+                dispatch.one_thread_attention = setting
             _done.add(("attention", kind, kv_dtype, heads))
 
 
@@ -181,22 +185,25 @@ def warm_decode_kernels(blocks, head_linears=(), ops: bool = False, first_run: b
         _warm_ops()
 
 
-def warm_decode_attention(blocks) -> None:
-    """Decode attention for each (weight format, int8 activations, kv_dtype, heads) in `blocks` (a first run's
-    other share: warmup)."""
+def warm_first_run(blocks, ops: bool = False) -> None:
+    """A first run's other share (warmup): decode attention on one thread for each (weight format, int8
+    activations, kv_dtype, heads) in `blocks`, and the small ops if `ops`."""
     for _, _, kv_dtype, heads in blocks:
-        _warm_attention(kv_dtype, _spec(None, heads)[1], ("decode",))
+        _warm_attention(kv_dtype, _spec(None, heads)[1], ("one thread",))
+    if ops:
+        _warm_ops()
 
 
 def warm_prompt_kernels(blocks) -> None:
     """What prompt chunks run, for each (weight format, int8 activations, kv_dtype, heads) in `blocks`: each
-    matrix's linears of TILE_MIN_ROWS and PANEL_MIN_ROWS rows (the tiles and panels) and tiled causal attention."""
+    matrix's linears of TILE_MIN_ROWS and PANEL_MIN_ROWS rows (the tiles and panels), tiled causal attention and
+    the parallel decode attention (a first run decodes on one thread until then)."""
     for fmt, int8_inputs, kv_dtype, heads in blocks:
         fmt, heads = _spec(fmt, heads)
         for f in _each_matrix(fmt):
             for rows in (TILE_MIN_ROWS, PANEL_MIN_ROWS):
                 _warm_linear(f, int8_inputs and f is not None, rows)
-        _warm_attention(kv_dtype, heads, ("prefill",))
+        _warm_attention(kv_dtype, heads, ("prefill", "decode"))
 
 
 def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False, fused: bool = True,
@@ -210,10 +217,11 @@ def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False
     and query heads per KV head: kv_rows.py compiles code for them) and the small ops.
 
     Where the cache lacks this model's fused blocks (a first run), both cores compile what a first prompt and its
-    decoding need, and nothing more: a second process decode attention, this one the one-row linears and the small
-    ops. Then a background process compiles the prompt kernels (the tiles and panels, tiled attention) and the fused
-    blocks; meanwhile this process prefills a short prompt in chunks that the decode kernels take (prefill_chunk)
-    and decodes op by op (blocks_ready). TINYLLM_WAIT_FOR_BLOCKS=1 compiles it all here. -> seconds it took."""
+    decoding need, and nothing more: a second process decode attention on one thread (the small ops too with int8
+    activations), this one the one-row linears (and the small ops). Then a background process compiles the prompt
+    kernels (the tiles and panels, tiled attention, the parallel decode attention) and the fused blocks; meanwhile
+    this process prefills a short prompt in chunks that the decode kernels take (prefill_chunk) and decodes op by op
+    (blocks_ready). TINYLLM_WAIT_FOR_BLOCKS=1 compiles it all here. -> seconds it took."""
     global _threaded_helper
     t0 = time.perf_counter()
     layers = {_layer_formats(t) for t in matrix_types}
@@ -234,9 +242,9 @@ def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False
         # (TINYLLM_WAIT_FOR_BLOCKS=1: everything compiled here, so that the first step fuses; the test suite's
         # fused-step tests expect that)
         first_run = bool(missing) and os.environ.get("TINYLLM_WAIT_FOR_BLOCKS", "0") == "0"
-        # the small ops on the side with less to do: on a first run here, else the helper's with int8 activations
-        # (the prompt chunk's integer tiles take longer to compile than the float ones)
-        ops_there = not first_run and any(int8 for _, int8, _, _ in missing)
+        # the small ops on the side with less to do: the helper's with int8 activations (their one-row linears, or
+        # on a later run the prompt chunk's integer tiles, take longer to compile than the float ones)
+        ops_there = any(int8 for _, int8, _, _ in missing)
         helper = _in_a_second_process("first" if first_run else "decode", missing, head_linears,
                                       ops_there) if missing else None
         first_run = first_run and helper is not None
@@ -257,18 +265,22 @@ def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False
             for rows in (1,) if decode_only else (1, TILE_MIN_ROWS, PANEL_MIN_ROWS) if fmt in matrices or batched \
                     else (1,):
                 _warm_linear(fmt, int8_inputs_of[fmt], rows)
-        _warm_attention(kv_dtype, heads, ("decode",) if decode_only else ("decode", "prefill"))
+        one_thread = first_run or dispatch.one_thread_attention
+        _warm_attention(kv_dtype, heads, ("one thread",) if one_thread else ("decode",) if decode_only
+                        else ("decode", "prefill"))
         _warm_ops()
         later = []
         # the missing blocks (and on a first run the prompt kernels, first): compiled in the background and loaded
         # when they are ready
         if first_run:
-            _prompt_marker(missing).unlink(missing_ok=True)
             background = _in_a_second_process(("prompt", "plain", "threaded"), missing)
             if background is None:  # (no second process after all: the prompt kernels here, as before)
                 warm_prompt_kernels(missing)
-            elif background is not _ELSEWHERE:
-                _pending_prompt.append((background, _prompt_marker(missing), missing))
+            else:                   # (ours, or another first run's: either writes the marker file)
+                if background is not _ELSEWHERE:
+                    _prompt_marker(missing).unlink(missing_ok=True)     # (a dead run's: ours takes seconds)
+                _pending_prompt.append((_prompt_marker(missing), missing))
+                dispatch.one_thread_attention = True
             if background is not None:
                 _pending.extend(missing)
                 _pending_threaded.extend(missing)
@@ -291,7 +303,7 @@ def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False
 
 
 _pending: list = []     # fused blocks whose plain kind a second process is compiling (op by op until it is ready)
-_pending_prompt: list = []   # (process, marker file, blocks): a background process compiling their prompt kernels
+_pending_prompt: list = []   # (marker file, blocks): a background process compiling their prompt kernels first
 _pending_threaded: list = []   # fused blocks whose threaded kind it is compiling (the plain ones run until then)
 _pending_groups: list = []   # both as the lists given to the second processes (each has its own lock)
 RESTARTS = 1            # how often a process starts the background compile again if its helper died
@@ -304,7 +316,8 @@ def blocks_ready() -> bool:
     """Whether the fused blocks may run: yes, unless warmup left their plain kind to compile in a second process (a
     first run; this process decodes op by op meanwhile). Once that process has put the plain ones in the disk cache,
     they are loaded here (not compiled) and run; once it has put the threaded ones there too, those are loaded and
-    run from then on. Looks in the cache once every LOOK_EVERY_S at most."""
+    run from then on. Looks in the cache once every LOOK_EVERY_S at most (and whether the prompt kernels are ready:
+    then decode attention runs on both threads again)."""
     global _next_look
     if not _pending and not _pending_threaded:
         return True
@@ -312,6 +325,7 @@ def blocks_ready() -> bool:
     if now < _next_look:
         return not _pending
     _next_look = now + LOOK_EVERY_S
+    prompt_kernels_ready()
     if _pending:
         if not _in_the_cache(_pending, "plain"):
             _restart_dead_helpers()
@@ -343,19 +357,22 @@ def prefill_chunk(remaining: int) -> int:
         t0 = time.perf_counter()
         with compile_notice(t0, "long prompts"):
             for entry in list(_pending_prompt):
-                warm_prompt_kernels(entry[2])
+                warm_prompt_kernels(entry[1])
                 _pending_prompt.remove(entry)
+        dispatch.one_thread_attention = False
     return PREFILL_CHUNK
 
 
 def prompt_kernels_ready() -> bool:
-    """Whether the prompt kernels are in the cache: the background process that compiles them first (warmup) has
-    written its marker file, or ended (if it failed, a prompt chunk compiles them on its first call)."""
+    """Whether the prompt kernels are in the cache: the background process that compiles them first (warmup: this
+    run's or another's) has written its marker file, or no longer holds its lock (it ended; if it failed, a prompt
+    chunk compiles them on its first call). Then decode attention runs on both threads again."""
     for entry in list(_pending_prompt):
-        process, marker, _ = entry
-        if marker.exists() or process.poll() is not None:
-            marker.unlink(missing_ok=True)
+        marker, blocks = entry
+        if marker.exists() or not _held(_lock_path(blocks)):
             _pending_prompt.remove(entry)
+    if not _pending_prompt:
+        dispatch.one_thread_attention = False
     return not _pending_prompt
 
 
@@ -399,7 +416,7 @@ def compile_blocks(blocks, kinds=("plain", "threaded")) -> None:
 def _in_a_second_process(task, blocks, head_linears=(), ops: bool = False):
     """Compile for `blocks` in a second process (Numba compiles one function at a time per process): task "decode",
     their decode kernels, head_linears' and (if `ops`) the small ops (warm_decode_kernels; waited for, while this
-    process compiles the prompt kernels), or "first", decode attention (warm_decode_attention: a first run's), or a
+    process compiles the prompt kernels), or "first", a first run's share (warm_first_run), or a
     tuple of fused block kinds ("plain", "threaded"), first "prompt" if it is there (warm_prompt_kernels, then a
     marker file: _prompt_marker), at the lowest priority and not waited for (at most one such process per machine
     for the same blocks, by a lock file). -> the process, _ELSEWHERE (another process holds the lock: it will fill
@@ -418,7 +435,7 @@ def _in_a_second_process(task, blocks, head_linears=(), ops: bool = False):
         code = ("import importlib, json, os, sys\nw = importlib.import_module('tinyllm.kernels.warmup')\n"
                 "task, blocks, heads, ops = (json.loads(a) for a in sys.argv[1:5])\n"
                 "if task == 'decode':\n    w.warm_decode_kernels(blocks, heads, ops)\n"
-                "elif task == 'first':\n    w.warm_decode_attention(blocks)\n"
+                "elif task == 'first':\n    w.warm_first_run(blocks, ops)\n"
                 "elif 'prompt' in task:\n    w.warm_prompt_kernels(blocks)\n"
                 "    w._prompt_marker(blocks).touch()\n"
                 "if task not in ('decode', 'first'):\n"
