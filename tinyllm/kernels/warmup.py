@@ -242,9 +242,11 @@ def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False
         # (TINYLLM_WAIT_FOR_BLOCKS=1: everything compiled here, so that the first step fuses; the test suite's
         # fused-step tests expect that)
         first_run = bool(missing) and os.environ.get("TINYLLM_WAIT_FOR_BLOCKS", "0") == "0"
-        # the small ops on the side with less to do: the helper's with int8 activations (their one-row linears, or
-        # on a later run the prompt chunk's integer tiles, take longer to compile than the float ones)
-        ops_there = any(int8 for _, int8, _, _ in missing)
+        # the small ops on the side with less to do: on a first run the helper's with quantized weights (their
+        # one-row linears take longer to compile than decode attention on one thread), else with int8 activations
+        # (the prompt chunk's integer tiles take longer than the float ones)
+        ops_there = any(any(f is not None for f in _each_matrix(fmt)) if first_run else int8
+                        for fmt, int8, _, _ in missing)
         helper = _in_a_second_process("first" if first_run else "decode", missing, head_linears,
                                       ops_there) if missing else None
         first_run = first_run and helper is not None
