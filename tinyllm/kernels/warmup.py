@@ -531,13 +531,15 @@ def warmup_paged(kv_dtype: str = "float32", heads: tuple = (64, 1)) -> float:
         return 0.0
     t0 = time.perf_counter()
     with compile_notice(t0, f"batches (paged attention over {kv_dtype} blocks)"):
-        while not prompt_kernels_ready() and time.perf_counter() - t0 < HELPER_TIMEOUT_S:
-            time.sleep(0.1)
         H, KVH, Dh = _dummy_heads(heads, kv_dtype)
         blocks = kv_storage((2, 2, KVH, Dh), kv_dtype)              # [NB, BS, KVH, Dh]
         blocks[:] = np.ones((2, 2, KVH, Dh), np.float32)
         paged_attention(np.ones((2, H, Dh), np.float32), blocks, blocks, np.zeros((2, 1), np.int32),
                         np.ones(2, np.int32))
+        if not prompt_kernels_ready():      # (a first run: what its background process compiles last, here)
+            _warm_attention(kv_dtype, heads, ("decode",))
+        while not prompt_kernels_ready() and time.perf_counter() - t0 < HELPER_TIMEOUT_S:
+            time.sleep(0.1)                                         # (then loaded from the cache below)
         _warm_attention(kv_dtype, heads)
         for fmt, int8_inputs in one_row_only:                       # a head's tiled kernel: a batch's logits
             _warm_linear(fmt, int8_inputs, TILE_MIN_ROWS)
