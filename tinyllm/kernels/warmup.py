@@ -217,8 +217,8 @@ def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False
     and query heads per KV head: kv_rows.py compiles code for them) and the small ops.
 
     Where the cache lacks this model's fused blocks (a first run), both cores compile what a first prompt and its
-    decoding need, and nothing more: a second process decode attention on one thread (the small ops too with int8
-    activations), this one the one-row linears (and the small ops). Then a background process compiles the prompt
+    decoding need, and nothing more: a second process decode attention on one thread (and the small ops, with
+    quantized weights), this one the one-row linears (and the small ops, with fp32 weights). Then a background process compiles the prompt
     kernels (the tiles and panels, tiled attention, the parallel decode attention) and the fused blocks; meanwhile
     this process prefills a short prompt in chunks that the decode kernels take (prefill_chunk) and decodes op by op
     (blocks_ready). TINYLLM_WAIT_FOR_BLOCKS=1 compiles it all here. -> seconds it took."""
