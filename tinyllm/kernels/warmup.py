@@ -261,15 +261,13 @@ def warmup(matrix_types=tuple(FORMATS), head_types=(), int8_inputs: bool = False
                 _warm_ops()
             _wait(helper)
         # then the rest: loaded from the cache where the helper compiled it (while a background process compiles
-        # the prompt kernels, a first run's or an earlier call's, the decode kernels only)
+        # the prompt kernels, a first run's or an earlier call's, the decode kernels only, attention on one thread)
         decode_only = first_run or not prompt_kernels_ready()
         for fmt in int8_inputs_of:
             for rows in (1,) if decode_only else (1, TILE_MIN_ROWS, PANEL_MIN_ROWS) if fmt in matrices or batched \
                     else (1,):
                 _warm_linear(fmt, int8_inputs_of[fmt], rows)
-        one_thread = first_run or dispatch.one_thread_attention
-        _warm_attention(kv_dtype, heads, ("one thread",) if one_thread else ("decode",) if decode_only
-                        else ("decode", "prefill"))
+        _warm_attention(kv_dtype, heads, ("one thread",) if decode_only else ("decode", "prefill"))
         _warm_ops()
         later = []
         # the missing blocks (and on a first run the prompt kernels, first): compiled in the background and loaded
