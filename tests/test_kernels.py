@@ -891,6 +891,25 @@ def test_a_first_run_loads_the_plain_blocks_then_the_threaded_ones_when_each_is_
     assert look() and len(loaded) == 2, "nothing more to load"
 
 
+def test_a_quantized_models_plain_block_is_left_in_the_disk_cache_until_a_pass_runs_it(monkeypatch):
+    """Warm (the disk cache holds them), a quantized model loads the threaded block its decode steps run and leaves
+    the plain one (passes of 8-16 rows) to load on its first call; compiled here, or for fp32 weights (whose decode
+    steps run the plain block), or asked for alone, a block is made at once."""
+    import importlib
+    warmup = importlib.import_module("tinyllm.kernels.warmup")
+    cached, made = set(), []
+    monkeypatch.setattr(warmup, "_in_the_cache", lambda blocks, kind: kind in cached)
+    monkeypatch.setattr(warmup, "_warm_decode_block", lambda fmt, int8, kv, heads, kinds: made.append((fmt, kinds)))
+    both = ("plain", "threaded")
+    for fmt in ("q4_1", None):
+        warmup.compile_blocks([(fmt, False, "float32", (64, 3))], both)
+    cached.add("plain")
+    for fmt in ("q4_1", None):
+        warmup.compile_blocks([(fmt, False, "float32", (64, 3))], both)
+    warmup.compile_blocks([("q4_1", False, "float32", (64, 3))], ("plain",))
+    assert made == [("q4_1", both), (None, both), ("q4_1", ("threaded",)), (None, both), ("q4_1", ("plain",))]
+
+
 def test_a_model_compiles_only_its_own_kernels():
     """A q4_1 model with float activations warms the 4-bit float kernels and its 8-bit head's one-row kernel (the
     tiled one waits for a paged pool: batches), not the integer kernels of int8 activations: a first run compiles

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import unicodedata
 
+import numpy as np
 import pytest
 import regex
 from hypothesis import HealthCheck, assume, given, settings
@@ -324,6 +325,26 @@ def test_missing_gguf_key_raises():
     del meta["tokenizer.ggml.merges"]
     with pytest.raises(ValueError, match="tokenizer.ggml.merges"):
         Tokenizer.from_gguf_metadata(meta)
+
+
+def test_repeated_bytes_and_pairs_keep_the_first_id_and_rank():
+    """Where a vocab repeats a token's bytes or a merge's pair, the first ordinary id and the first rank win, for
+    merges given as triples or as an int array [M, 3] (converted.py's)."""
+    vocab = [bytes([b]) for b in range(256)] + [b"ab", b"ab", b"abc", b"<s>", b"a"]   # 256, 257: "ab"; 260: "a" again
+    merges = [(97, 98, 256), (256, 99, 258), (97, 98, 257)]                          # (a, b) repeats at rank 2
+    for given in (merges, np.array(merges, np.int32)):
+        toy = Tokenizer(vocab, given, r"\s+|\S+", added_tokens={"<s>": 259})
+        assert toy._ranks == {(97, 98): 0, (256, 99): 1} and toy._merged == {(97, 98): 256, (256, 99): 258}
+        assert toy._bytes_to_id[b"ab"] == 256 and toy._bytes_to_id[b"a"] == 97 and b"<s>" not in toy._bytes_to_id
+        assert toy.encode("abc ab <s>") == [258, 32, 256, 32, 259]
+
+
+@pytest.mark.parametrize("bad", [(97, 98, 300), (-1, 98, 256), (97, 400, 256)])
+def test_a_merge_outside_the_vocab_is_named(bad):
+    vocab = [bytes([b]) for b in range(256)] + [b"ab"]
+    for given in ([(97, 98, 256), bad], np.array([(97, 98, 256), bad])):
+        with pytest.raises(ValueError, match=r"merge 1 \(.*\) \(left, right -> merged\) uses an id outside the vocab"):
+            Tokenizer(vocab, given, r"\S+")
 
 
 @pytest.mark.parametrize("bad,message", [

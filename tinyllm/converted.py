@@ -223,7 +223,7 @@ def _tokenizer(fields: dict, blob: np.ndarray, starts: np.ndarray, merges: np.nd
     blob, starts = blob.tobytes(), starts.tolist()
     pattern = fields["pattern"]                                     # one regex, or a list of stages (a tuple)
     return Tokenizer(**dict(fields, pattern=pattern if isinstance(pattern, str) else tuple(pattern)),
-                     token_bytes=[blob[a:b] for a, b in zip(starts, starts[1:])], merges=zip(*merges.T.tolist()))
+                     token_bytes=[blob[a:b] for a, b in zip(starts, starts[1:])], merges=merges)
 
 
 def _read_header(data) -> tuple[dict, int]:

@@ -28,11 +28,14 @@ not, nor does tinyllm), byte fallback, BPE dropout; training is in bpe_train.py.
 """
 from __future__ import annotations
 
+import gc
 import heapq
+from contextlib import contextmanager
 from itertools import chain
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+import numpy as np
 import regex
 
 from .chat_template import CHATML_MARKERS, CHATML_TEMPLATE, end_of_turn, literal_text, mark, render, split_rendered
@@ -44,6 +47,19 @@ from .vocab_files import gguf_vocab, tokenizer_json_vocab
 
 # The per-word cache is cleared when it holds more words than this (about 20-30 MB), so memory stays bounded.
 WORD_CACHE_LIMIT = 200_000
+
+
+@contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector off for a while: building 100,000 small tuples and lists sets it off
+    dozens of times, and its full passes walk every object numpy and Numba made. (The tables hold no cycles.)"""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 # --- the BPE core (shared with bpe_train.py) ---------------------------------------------------------------
@@ -106,7 +122,8 @@ class Tokenizer:
     Build it with `from_gguf_metadata`, `from_tokenizer_json` or `from_merges` (a trained BPE). The constructor
     takes the vocab as raw bytes, the file formats' GPT-2 byte-to-character encoding already undone:
       token_bytes:  token_bytes[id] is the bytes of token `id` (for added tokens: the UTF-8 of their text).
-      merges:       (left_id, right_id, merged_id) in rank order: merges[0] is applied first.
+      merges:       (left_id, right_id, merged_id) in rank order: merges[0] is applied first (triples, or an
+                    int array [M, 3]).
       pattern:      the pre-tokenizer: one regex (see the *_PATTERN constants), or a tuple of regexes applied in
                     stages (the *_FUSED constants, see `split_in_stages`).
       added_tokens: text -> id of tokens matched as a whole in the input text before pre-tokenization.
@@ -118,12 +135,12 @@ class Tokenizer:
       end_ids:      tokens besides eos that end a generation (GGUF eot / eom ids, HF generation_config eos ids).
     """
 
-    def __init__(self, token_bytes: Sequence[bytes], merges: Iterable[tuple[int, int, int]],
+    def __init__(self, token_bytes: Sequence[bytes], merges: Iterable[tuple[int, int, int]] | np.ndarray,
                  pattern: str | tuple[str, ...], *,
                  added_tokens: Mapping[str, int] | None = None, special_ids: Iterable[int] = (),
                  bos_id: int | None = None, eos_id: int | None = None, chat_template: str | None = None,
                  ignore_merges: bool = False, unreachable_ids: Iterable[int] = (), end_ids: Iterable[int] = ()):
-        self._token_bytes = [bytes(b) for b in token_bytes]   # id -> bytes
+        self._token_bytes = list(map(bytes, token_bytes))      # id -> bytes
         self._added = dict(added_tokens or {})                 # text -> id, matched whole in the input
         special_ids, end_ids = frozenset(special_ids), frozenset(end_ids)
         vocab_size = len(self._token_bytes)
@@ -142,25 +159,28 @@ class Tokenizer:
             self._words = None
             self._first_stage, *self._later_stages = [regex.compile(f"({stage})") for stage in pattern]
 
-        # bytes -> id of ordinary tokens (used for the single-byte tokens and by ignore_merges).
+        # bytes -> id of ordinary tokens (used for the single-byte tokens and by ignore_merges). The tables below
+        # are built by C loops (zip, map, dict) over the ids reversed, so that where bytes or a pair repeat, the
+        # first id or rank is the one kept: every run loads a vocab of some 50,000 tokens and merges.
         self.unreachable_ids = frozenset(unreachable_ids)
         not_ordinary = set(self._added.values()).union(self.unreachable_ids)
-        self._bytes_to_id: dict[bytes, int] = {}
-        for token_id, data in enumerate(self._token_bytes):
-            if token_id not in not_ordinary:
-                self._bytes_to_id.setdefault(data, token_id)
-        self._byte_ids = [self._bytes_to_id.get(bytes([b])) for b in range(256)]   # byte -> id, or None
+        with _collector_paused():
+            ordinary = sorted(set(range(vocab_size)).difference(not_ordinary)) if not_ordinary else range(vocab_size)
+            self._bytes_to_id: dict[bytes, int] = dict(zip(map(self._token_bytes.__getitem__, reversed(ordinary)),
+                                                           reversed(ordinary)))
+            self._byte_ids = [self._bytes_to_id.get(bytes([b])) for b in range(256)]   # byte -> id, or None
 
-        self._ranks: dict[tuple[int, int], int] = {}    # (left, right) -> rank (0 = merged first)
-        self._merged: dict[tuple[int, int], int] = {}   # (left, right) -> id of the merged token
-        merges = list(merges)
-        pairs = [(left, right) for left, right, _ in merges]
-        # reversed, so that the first merge of a pair (if it repeats) is the one kept
-        self._ranks.update(zip(reversed(pairs), range(len(pairs) - 1, -1, -1)))
-        self._merged.update(zip(reversed(pairs), (new for *_, new in reversed(merges))))
-        if merges and not 0 <= min(map(min, merges)) <= max(map(max, merges)) < vocab_size:   # (one check, in C)
-            rank = next(r for r, m in enumerate(merges) if not 0 <= min(m) <= max(m) < vocab_size)
-            raise ValueError(f"merge {rank} {merges[rank]} (left, right -> merged) uses an id outside the vocab")
+            table = merges if isinstance(merges, np.ndarray) else list(merges)
+            lefts, rights, news = (table.reshape(-1, 3).T.tolist() if isinstance(table, np.ndarray)
+                                   else zip(*table) if table else ((), (), ()))
+            if len(lefts) and not 0 <= min(min(lefts), min(rights), min(news)) <= max(
+                    max(lefts), max(rights), max(news)) < vocab_size:
+                rank = next(r for r, m in enumerate(zip(lefts, rights, news)) if not 0 <= min(m) <= max(m) < vocab_size)
+                raise ValueError(f"merge {rank} {(lefts[rank], rights[rank], news[rank])} (left, right -> merged) "
+                                 f"uses an id outside the vocab")
+            pairs = list(zip(reversed(lefts), reversed(rights)))         # (left, right), the last merge first
+            self._ranks: dict[tuple[int, int], int] = dict(zip(pairs, range(len(pairs) - 1, -1, -1)))   # 0: first
+            self._merged: dict[tuple[int, int], int] = dict(zip(pairs, reversed(news)))  # -> the merged token's id
 
         # One regex for all added tokens, one for the user-defined ones alone (allow_special=False).
         self._added_re = _alternation(self._added)

@@ -403,12 +403,18 @@ def _wait(helper) -> None:
 
 def compile_blocks(blocks, kinds=("plain", "threaded")) -> None:
     """Compile (or load) the fused blocks of `kinds` for each (weight format, int8 activations, kv_dtype, heads) in
-    `blocks`."""
+    `blocks`. Asked for both, a quantized layer's plain block is left in the disk cache if it is there: its decode
+    steps run the threaded block, and the plain one (passes of TILE_MIN_ROWS .. FUSED_ROWS rows: a short prompt, a
+    draft's verification) loads on its first call, as a function of Numba's cache does."""
     # Numba's threading layer first: a plain block loaded from the cache crashed if no parallel kernel had run yet
     numba.get_num_threads()
-    for fmt, int8_inputs, kv_dtype, heads in blocks:
+    for block in blocks:
+        fmt, int8_inputs, kv_dtype, heads = block
         fmt, heads = _spec(fmt, heads)
-        _warm_decode_block(fmt, int8_inputs, kv_dtype, heads, kinds)
+        load = kinds
+        if len(kinds) == 2 and _each_matrix(fmt)[0] is not None and _in_the_cache([block], "plain"):
+            load = ("threaded",)
+        _warm_decode_block(fmt, int8_inputs, kv_dtype, heads, load)
         if len(kinds) == 2:
             _done.add(("block", fmt, int8_inputs, kv_dtype, heads))
 
