@@ -170,9 +170,11 @@ class Tokenizer:
                                                            reversed(ordinary)))
             self._byte_ids = [self._bytes_to_id.get(bytes([b])) for b in range(256)]   # byte -> id, or None
 
-            table = merges if isinstance(merges, np.ndarray) else list(merges)
-            lefts, rights, news = (table.reshape(-1, 3).T.tolist() if isinstance(table, np.ndarray)
-                                   else zip(*table) if table else ((), (), ()))
+            if isinstance(merges, np.ndarray):                           # converted.py's [M, 3]
+                lefts, rights, news = merges.reshape(-1, 3).T.tolist()
+            else:
+                merges = list(merges)
+                lefts, rights, news = zip(*merges) if merges else ((), (), ())
             if len(lefts) and not 0 <= min(min(lefts), min(rights), min(news)) <= max(
                     max(lefts), max(rights), max(news)) < vocab_size:
                 rank = next(r for r, m in enumerate(zip(lefts, rights, news)) if not 0 <= min(m) <= max(m) < vocab_size)
