@@ -304,13 +304,20 @@ def decode_section() -> list[str]:
 
 def step_timeline(r) -> list[str]:
     kernels = ["wqkv", "attention", "wo", "w_in", "w_out", "head"]
+    cached = all("cached_ms" in x for x in r["rows"])          # (older files lack them)
     rows = [[x["format"], x["context"], n(x["step_ms"], 2), n(x["outside_ms"], 2), n(x["glue_ms"], 2)]
+            + ([n(x["cached_ms"], 2), n(x["layers_read_ms"], 2)] if cached else [])
             + [f"{n(x['kernel_ms'][k], 2)} ({n(x['kernel_gbs'][k])})" for k in kernels]
             + [n(x["step_gbs"], 1), pct(x["of_bandwidth"]), pct(x["of_plain_read"])] for x in r["rows"]]
     return ([f"Batch 1, ms per step (median of {r['rounds']} rounds), each kernel's GB/s in brackets; read "
              f"bandwidth {r['bandwidth_gbs']:.1f} GB/s; `plain read`: the same bytes read in a step's pattern "
-             "with nothing computed, timed back to back with the step.", ""]
-            + table(["format", "context", "step ms", "outside", "glue"] + kernels
+             "with nothing computed, timed back to back with the step."
+             + (" `blocks, weights cached`: the 30 blocks with every layer given layer 0's weights, which stay in "
+                "the CPU's caches (their arithmetic, little to read); `layers' read`: their 30 layers' weights read "
+                "at the plain read's speed. Where the first comes near the second, a step is bound by arithmetic "
+                "as much as by memory." if cached else ""), ""]
+            + table(["format", "context", "step ms", "outside", "glue"]
+                    + (["blocks, weights cached", "layers' read"] if cached else []) + kernels
                     + ["step GB/s", "of bandwidth", "of plain read"], rows, right=2))
 
 

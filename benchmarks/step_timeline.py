@@ -13,6 +13,10 @@ then in pieces:
               each kernel's share: the kernels' time minus their time with that kernel left out. A kernel timed
               alone would mislead: 30 layers of a small matrix (or of K/V) fit in the 32 MB L3 cache and would be
               read from it, where in a step the other weights have pushed them out
+  cached      the blocks again with every layer given the first layer's weights, which then stay in the CPU's
+              caches: the blocks' arithmetic with next to nothing to read from memory. Near the plain read of the
+              layers' bytes (or above it), a step is bound by arithmetic as much as by memory, and cannot come near
+              reading alone
   plain read  the same bytes (every weight matrix, the head and the cached K/V, in a step's order, each as its own
               parallel region split between the threads, as the kernels split them) summed by the plainest streaming
               loop, roofline.py's: what reading alone costs in this pattern, timed alternately with the step, so that
@@ -126,6 +130,7 @@ class Timeline:
             attention_layers.append((k[:S], None if ks is None else ks[:S], v[:S], None if vs is None else vs[:S]))
         self.block_args = (weights, caches, context, cos, sin, c.n_heads, c.norm_eps, self.a8)   # as
         w0 = m.layers[0]                                                # backend.NumbaBackend.decode_blocks passes them
+        self.cached_block_args = ([weights[0]] * len(weights), *self.block_args[1:])   # every layer: layer 0's weights
 
         def rows(n):
             return rng.standard_normal((1, n)).astype(np.float32)                      # [1, n]
@@ -142,6 +147,7 @@ class Timeline:
         kv_bytes = sum(a.nbytes for layer in attention_layers for a in layer if a is not None)
         self.bytes = {"attention": kv_bytes, "head": m.lm_head.nbytes,
                       **{n: sum(getattr(layer, n).nbytes for layer in m.layers) for n in MATRICES}}
+        self.layer_bytes = sum(self.bytes[n] for n in MATRICES)    # the blocks' weights
         self.step_bytes = decode_bytes(m, context)                 # what roofline.py counts for a step
         in_order = []                                              # a step's reads: per layer, wqkv, K and V, ...
         for layer, kv in zip(self.sequence_args[0], attention_layers):
@@ -167,6 +173,7 @@ class Timeline:
         out["step"] = self._median(step)
         out["plain read"] = self._median(lambda: _read_all(self.read_chunks, self.read_out))
         out["blocks"] = self._median(lambda: block.decode_blocks(self.x.copy(), *self.block_args))
+        out["cached"] = self._median(lambda: block.decode_blocks(self.x.copy(), *self.cached_block_args))
         sequence = SEQUENCES[self.a8]
 
         def kernels(which):
@@ -188,9 +195,14 @@ def of_plain_read(t: Timeline, runs: list) -> float:
     return float(np.median([(t.step_bytes / r["step"]) / (t.read_bytes / r["plain read"]) for r in runs]))
 
 
+def layers_read(t: Timeline, med: dict) -> float:
+    """Seconds the plain read's speed takes over the blocks' weights: what `cached` is to be set against."""
+    return t.layer_bytes / (t.read_bytes / med["plain read"])
+
+
 def table(results: dict, timelines: dict, bandwidth: float) -> str:
-    head = ("| format | context | step ms | outside | blocks | glue | kernels | wqkv | attention | wo | w_in | w_out "
-            "| head | step GB/s | of bandwidth | plain read GB/s | of plain read |")
+    head = ("| format | context | step ms | outside | blocks | cached | layers' read | glue | kernels | wqkv | attention "
+            "| wo | w_in | w_out | head | step GB/s | of bandwidth | plain read GB/s | of plain read |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for (fmt, context), runs in results.items():
         med = {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
@@ -199,7 +211,8 @@ def table(results: dict, timelines: dict, bandwidth: float) -> str:
         share = lambda k: f"{ms(med[k])} ({t.bytes[k] / med[k] / 1e9:.0f})"           # noqa: E731
         step_gbs = t.step_bytes / med["step"] / 1e9
         lines.append(f"| {fmt} | {context} | {ms(med['step'])} | {ms(med['step'] - med['blocks'] - med['head'])} | "
-                     f"{ms(med['blocks'])} | {ms(med['blocks'] - med['layer kernels'])} | {ms(med['kernels'])} | "
+                     f"{ms(med['blocks'])} | {ms(med['cached'])} | {ms(layers_read(t, med))} | "
+                     f"{ms(med['blocks'] - med['layer kernels'])} | {ms(med['kernels'])} | "
                      + " | ".join(share(k) for k in KERNELS) + f" | {step_gbs:.1f} | {step_gbs / bandwidth:.0%} | "
                      f"{t.read_bytes / med['plain read'] / 1e9:.1f} | {of_plain_read(t, runs):.0%} |")
     verdicts = []
@@ -223,7 +236,8 @@ def json_rows(results: dict, timelines: dict, bandwidth: float) -> list[dict]:
         step_gbs = t.step_bytes / med["step"] / 1e9
         rows.append(dict(format=fmt, context=context, step_ms=med["step"] * 1e3,
                          outside_ms=(med["step"] - med["blocks"] - med["head"]) * 1e3,
-                         blocks_ms=med["blocks"] * 1e3, glue_ms=(med["blocks"] - med["layer kernels"]) * 1e3,
+                         blocks_ms=med["blocks"] * 1e3, cached_ms=med["cached"] * 1e3,
+                         layers_read_ms=layers_read(t, med) * 1e3, glue_ms=(med["blocks"] - med["layer kernels"]) * 1e3,
                          kernels_ms=med["kernels"] * 1e3, kernel_ms={k: med[k] * 1e3 for k in KERNELS},
                          kernel_gbs={k: t.bytes[k] / med[k] / 1e9 for k in KERNELS}, step_gbs=step_gbs,
                          of_bandwidth=step_gbs / bandwidth, plain_read_gbs=t.read_bytes / med["plain read"] / 1e9,
